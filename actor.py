@@ -1,0 +1,1 @@
+"""actor.py: not built yet (see the open issue for this stage)."""

@@ -1,0 +1,1 @@
+"""advantage.py: not built yet (see the open issue for this stage)."""

@@ -1,0 +1,1 @@
+"""merge.py: not built yet (see the open issue for this stage)."""

@@ -1,0 +1,23 @@
+"""Shared fixtures: the offline toy world, built once per test session under .toy/ (cached)."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def toy():
+    """{"vl_model", "text_model", "colors", "sums"}: absolute paths into the toy world."""
+    import toy as toy_world
+
+    return toy_world.ensure_toy(os.path.join(ROOT, ".toy"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end tests (minutes); still run in CI")

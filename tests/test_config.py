@@ -1,0 +1,119 @@
+import os
+import re
+
+import pytest
+import yaml
+
+import trainer
+from trainer import ConfigError, load_config
+
+CONFIGS = os.path.join(trainer.HERE, "configs")
+
+
+def test_defaults_match_easyr1_example_config():
+    cfg = load_config()
+    # A sample of EasyR1 examples/config.yaml values (research notes, section 2).
+    assert cfg.data.max_prompt_length == 2048 and cfg.data.rollout_batch_size == 512
+    assert cfg.data.min_pixels == 262144 and cfg.data.max_pixels == 4194304
+    assert cfg.algorithm.kl_penalty == "low_var_kl" and cfg.algorithm.kl_coef == 1e-2 and cfg.algorithm.use_kl_loss
+    assert cfg.worker.actor.clip_ratio_high == 0.3 and cfg.worker.actor.clip_ratio_dual == 3.0
+    assert cfg.worker.actor.global_batch_size == 128 and cfg.worker.actor.optim.lr == 1e-6
+    assert cfg.worker.rollout.n == 5 and cfg.worker.rollout.gpu_memory_utilization == 0.6
+    assert cfg.worker.rollout.val_override_config == {"temperature": 0.6, "top_p": 0.95, "n": 1}
+    assert cfg.trainer.save_limit == 3 and cfg.trainer.val_freq == 5
+
+
+def test_yaml_and_overrides_with_type_coercion(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  rollout_batch_size: 256\nworker:\n  rollout:\n    n: 8\n")
+    cfg = load_config(str(path), [
+        "worker.actor.optim.lr=1e-5",           # YAML 1.1 reads this as a string; coerced to float
+        "worker.actor.ppo_epochs=2",
+        "algorithm.disable_kl=true",
+        "trainer.logger=[console,file,tensorboard]",
+        "trainer.max_steps=null",
+        "data.format_prompt=null",
+        "worker.actor.optim.betas=0.9,0.95",
+        "worker.rollout.val_override_config={temperature: 0.0, n: 2}",
+    ])
+    assert cfg.data.rollout_batch_size == 256 and cfg.worker.rollout.n == 8
+    assert cfg.worker.actor.optim.lr == 1e-5 and isinstance(cfg.worker.actor.optim.lr, float)
+    assert cfg.worker.actor.ppo_epochs == 2 and cfg.algorithm.disable_kl is True
+    assert cfg.trainer.logger == ["console", "file", "tensorboard"]
+    assert cfg.trainer.max_steps is None and cfg.data.format_prompt is None
+    assert cfg.worker.actor.optim.betas == [0.9, 0.95]
+    assert cfg.worker.rollout.val_override_config == {"temperature": 0.0, "n": 2}
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("worker.rollout.temprature=0.5", "worker.rollout.temperature"),
+    ("temperature=0.5", "worker.rollout.temperature"),
+    ("data.max_prompt_len=10", "data.max_prompt_length"),
+    ("worker.actor.lr=1e-6", "worker.actor.optim.lr"),
+])
+def test_unknown_key_names_the_closest(override, suggestion):
+    with pytest.raises(ConfigError, match=re.escape(f"did you mean {suggestion}?")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_yaml_names_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("worker:\n  rollout:\n    temprature: 0.5\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml.*did you mean worker\.rollout\.temperature"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("override", ["worker.actor.optim.lr=abc", "worker.rollout.n=2.5", "algorithm.disable_kl=maybe"])
+def test_bad_value_type(override):
+    with pytest.raises(ConfigError, match="expected"):
+        load_config(None, [override])
+
+
+def test_cross_key_checks():
+    with pytest.raises(ConfigError, match="clip_ratio_dual"):
+        load_config(None, ["worker.actor.clip_ratio_dual=1.0"])
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_config(None, ["data.rollout_batch_size=100"])
+    with pytest.raises(ConfigError, match="needs groups"):
+        load_config(None, ["worker.rollout.n=1"])
+    with pytest.raises(ConfigError, match="not one of"):
+        load_config(None, ["algorithm.adv_estimator=gae"])
+
+
+def test_every_key_documented_once_in_geo3k_yaml():
+    """geo3k.yaml lists every key with a comment (worker.ref mirrors worker.actor.fsdp/offload)."""
+    lines = open(os.path.join(CONFIGS, "geo3k.yaml")).read().splitlines()
+    documented, stack = set(), []
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        indent = (len(line) - len(line.lstrip())) // 2
+        key = line.strip().split(":")[0]
+        stack = stack[:indent] + [key]
+        dotted = ".".join(stack)
+        is_leaf = line.split(":", 1)[1].split("#")[0].strip() != ""
+        if is_leaf:
+            documented.add(dotted)
+            assert "#" in line or dotted.startswith("worker.ref."), f"no comment for {dotted}"
+    keys = set(trainer._all_keys())
+    assert keys - documented == set(), f"undocumented keys: {sorted(keys - documented)}"
+    assert documented - keys == set(), f"documented keys that do not exist: {sorted(documented - keys)}"
+    # And the file itself equals the defaults: it is the reference job.
+    assert trainer.config_to_dict(load_config(os.path.join(CONFIGS, "geo3k.yaml"))) == trainer.config_to_dict(load_config())
+
+
+def test_every_shipped_config_loads():
+    names = [n for n in os.listdir(CONFIGS) if n.endswith(".yaml")]
+    assert "toy.yaml" in names and "geo3k.yaml" in names
+    for name in names:
+        load_config(os.path.join(CONFIGS, name))
+
+
+def test_print_config_and_typo_on_the_command_line(capsys):
+    assert trainer.main(["--print-config", "worker.rollout.n=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["worker"]["rollout"]["n"] == 7
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.main(["worker.rollout.temprature=1"])
+    assert exit_info.value.code == 2
+    assert "did you mean worker.rollout.temperature?" in capsys.readouterr().err

@@ -1,0 +1,38 @@
+"""House rules: a stage module imports no other stage module; only trainer.py wires them."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ["data", "rollout", "reward", "advantage", "actor", "merge"]
+
+
+def stage_imports(path):
+    """(line, imported stage) for every import of another stage or of trainer in `path`."""
+    me = os.path.basename(path)[:-3]
+    tree = ast.parse(open(path).read(), filename=path)
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module.split(".")[0]]
+        found += [(node.lineno, n) for n in names if n in STAGES + ["trainer"] and n != me]
+    return found
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_imports_no_other_stage(stage):
+    path = os.path.join(ROOT, f"{stage}.py")
+    assert os.path.exists(path), f"{stage}.py is missing"
+    bad = stage_imports(path)
+    assert not bad, "\n".join(f"{stage}.py:{line} imports {name} (only trainer.py may wire stages)" for line, name in bad)
+
+
+def test_the_checker_catches_a_violation(tmp_path):
+    bad = tmp_path / "reward.py"
+    bad.write_text("import os\nfrom advantage import grpo\n")
+    assert stage_imports(str(bad)) == [(2, "advantage")]

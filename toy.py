@@ -1,0 +1,238 @@
+"""The offline toy world: tiny random-init models and synthetic tasks, so everything runs with no download.
+
+    python toy.py [--root .toy]      # builds (or reuses) the toy world and prints where it went
+
+What it builds, deterministically from a seed, in a few seconds, cached under `root`:
+
+  vl-model/     a tiny random-init Qwen2.5-VL (text: 2 layers, hidden 64; vision: 2 blocks, hidden 32)
+                saved as a normal Hugging Face folder: config.json, model.safetensors, a real fast
+                tokenizer (word level over the task vocabulary, Qwen's special tokens, a Qwen-style
+                chat template), the Qwen2-VL image and video processors, generation_config.json with
+                the EOS list. `AutoProcessor` and `AutoModelForImageTextToText` load it.
+  text-model/   the same tokenizer and a tiny Qwen2 causal LM (`AutoModelForCausalLM`).
+  colors/       train.parquet / test.parquet in the Geometry3K schema (`problem` with `<image>`,
+                `answer`, `images` as a list of {"bytes": png}): name the colour of the square.
+  sums/         train.parquet / test.parquet, text only: "What is 3 + 4 ?" -> "7".
+
+Chance on `colors` is about 1 / vocabulary for the first word of a random-init model; GRPO lifts it
+to > 0.9 in a few minutes on two CPU cores (configs/toy.yaml).
+
+The toy world is not a stage: it is data and weights on disk, read by the stages through the same
+code paths as a real Hugging Face model and a real dataset.
+"""
+
+import argparse
+import io
+import json
+import os
+import random
+import shutil
+import tempfile
+
+# Bump when anything below changes what is written, so stale caches are rebuilt.
+TOY_VERSION = 4
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>", "<|video_pad|>",
+]
+COLORS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+TASK_WORDS = ("system user assistant You are a helpful What colour color is the shape square of answer Answer "
+              "think boxed final and put in Solve following problem step by").split()
+QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                     r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+# Qwen's chat template, shortened: no default system prompt (toy prompts stay short), images and
+# videos as vision_start + pad + vision_end, the generation prompt "<|im_start|>assistant\n".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+IMAGE_SIDE = 56          # 56 x 56 pixels -> 4 x 4 patches of 14 -> 2 x 2 = 4 image tokens
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 112 * 112
+
+
+def ensure_toy(root=".toy", seed=0):
+    """Build the toy world under `root` unless a complete copy of this version is already there.
+
+    Returns {"vl_model", "text_model", "colors", "sums"}: absolute folder paths. Concurrent callers
+    (several test processes) are safe: each builds in a temporary folder and renames it into place.
+    """
+    root = os.path.abspath(root)
+    paths = {name: os.path.join(root, name) for name in ("vl_model", "text_model", "colors", "sums")}
+    stamp = os.path.join(root, "VERSION")
+    if os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}":
+        return paths
+    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".toy-build-", dir=os.path.dirname(root) or ".")
+    tokenizer = build_tokenizer()
+    build_vl_model(os.path.join(tmp, "vl_model"), tokenizer, seed)
+    build_text_model(os.path.join(tmp, "text_model"), tokenizer, seed)
+    write_colors_task(os.path.join(tmp, "colors"), seed, n_train=512, n_test=64)
+    write_sums_task(os.path.join(tmp, "sums"), seed, n_train=512, n_test=64)
+    with open(os.path.join(tmp, "VERSION"), "w") as f:
+        f.write(f"{TOY_VERSION} {seed}\n")
+    try:
+        if os.path.exists(root):
+            shutil.rmtree(root, ignore_errors=True)
+        os.rename(tmp, root)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
+def build_tokenizer():
+    """A real fast tokenizer built locally, the way Qwen's is: byte-level BPE with Qwen2's split regex
+    and NFC normaliser (so transformers' `Qwen2Tokenizer` rebuilds exactly this one from the saved
+    vocabulary and merges), trained on the toy tasks' text so every task word is one token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    model.normalizer = normalizers.NFC()
+    model.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + len(SPECIAL_TOKENS) + 128, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    model.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=model, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tokenizer_corpus():
+    # Colour words most often, with and without a leading space, so each becomes one token first.
+    colors = [" ".join(COLORS), "\n".join(COLORS)] * 8
+    words = " ".join(TASK_WORDS)
+    lines = [words, "\n".join(TASK_WORDS), "What colour is the square?", "<|im_start|>assistant\n"] * 2
+    lines += [f"What is {a} + {b}?" for a in range(10) for b in range(10)]
+    lines += ["<think> </think> <answer> </answer> \\boxed{} Answer: $"]
+    return (colors + lines) * 50
+
+
+def build_vl_model(path, tokenizer, seed):
+    import torch
+    from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).float()
+    model.save_pretrained(path)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        video_processor=Qwen2VLVideoProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _generation_config(ids).save_pretrained(path)
+
+
+def build_text_model(path, tokenizer, seed):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    torch.manual_seed(seed + 1)
+    Qwen2ForCausalLM(config).float().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _generation_config(ids).save_pretrained(path)
+
+
+def _generation_config(ids):
+    from transformers import GenerationConfig
+
+    # Like Qwen's: two EOS ids, the chat end and the document end.
+    return GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"], do_sample=True, temperature=1.0,
+    )
+
+
+def color_image(color, rng):
+    """A 56 x 56 image: grey noise background and one square of `color`, random size and place."""
+    from PIL import Image
+
+    img = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE))
+    img.putdata([(g, g, g) for g in (rng.randint(90, 160) for _ in range(IMAGE_SIDE * IMAGE_SIDE))])
+    side = rng.randint(24, 44)
+    x, y = rng.randint(0, IMAGE_SIDE - side), rng.randint(0, IMAGE_SIDE - side)
+    img.paste(Image.new("RGB", (side, side), COLORS[color]), (x, y))
+    return img
+
+
+def write_colors_task(path, seed, n_train, n_test):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_train + n_test):
+        color = rng.choice(sorted(COLORS))
+        buf = io.BytesIO()
+        color_image(color, rng).save(buf, format="PNG")
+        rows.append({"problem": "<image>What colour is the square?", "answer": color,
+                     "images": [{"bytes": buf.getvalue(), "path": None}]})
+    _write_parquet(path, rows[:n_train], rows[n_train:])
+
+
+def write_sums_task(path, seed, n_train, n_test):
+    rng = random.Random(seed + 1)
+    rows = []
+    for _ in range(n_train + n_test):
+        a, b = rng.randint(0, 4), rng.randint(0, 4)
+        rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
+    _write_parquet(path, rows[:n_train], rows[n_train:])
+
+
+def _write_parquet(path, train, test):
+    import pandas as pd
+
+    os.makedirs(path, exist_ok=True)
+    pd.DataFrame(train).to_parquet(os.path.join(path, "train.parquet"))
+    pd.DataFrame(test).to_parquet(os.path.join(path, "test.parquet"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=".toy")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(json.dumps(ensure_toy(args.root, args.seed), indent=2))
