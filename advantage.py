@@ -1,1 +1,269 @@
-"""advantage.py: not built yet (see the open issue for this stage)."""
+"""advantage.py: one advantage per response from its scalar reward and its group (the prompt's uid).
+
+    adv = compute_advantages("grpo", scores, uids)          # scores [N] float, uids list of N group ids
+    adv = compute_advantages("grpo", scores, uids, norm_by_std=False)            # Dr. GRPO
+    adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
+
+Inputs: `scores` [N] (the reward function's "overall", minus beta * summed KL when KL is in the
+reward: kl_in_reward), `uids` [N] group ids (any hashable values: str or int), in any order. A group
+is every response with the same uid value; position in the batch never matters, and permuting the
+inputs permutes the outputs. Outputs are float32 [N]; the actor broadcasts each over its tokens.
+Group statistics are computed in float64 and vectorised: a group index from numpy.unique (it handles
+string uids), then index_add / scatter_reduce over it; no Python loop over samples.
+
+Differences from EasyR1, and why:
+- A group whose rewards have no spread (max - min <= 1e-6) gets exactly 0 in every group estimator.
+  EasyR1 computes (r - mean) / (std + 1e-6), and a constant group of a non-dyadic reward (0.7 x 16)
+  leaves rounding residue that the tiny std then amplifies into sizeable fake advantages.
+- Dr. GRPO (no division by the std) is an option: norm_by_std=False.
+- A group of one raises an error naming its uid (EasyR1 asserts); allow_singletons=True gives it 0.
+- Advantages are per response, not per token. For the REINFORCE++ estimators EasyR1 whitens the
+  per-token returns G_t = gamma^(L-1-t) * R over every token of the batch. Rewards here are one scalar
+  per response and gamma = 1 (EasyR1's default), so every token's return is R and whitening runs over
+  responses: each response counts once rather than once per token.
+- remax checks that the greedy baseline is the same for every response of a prompt.
+- Online filtering (groups_to_keep) can also require spread: EasyR1 only thresholds the group mean,
+  which keeps an all-wrong-but-well-formatted group (every overall = 0.1) whose advantages are all 0.
+"""
+
+import numpy as np
+import torch
+
+FLAT = 1e-6  # a group whose rewards satisfy max - min <= FLAT has no spread: its advantages are exactly 0
+
+
+def grpo(scores, uids, norm_by_std=True, eps=1e-6, allow_singletons=False):
+    """GRPO (DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), g the group of response i.
+
+    std_g is the unbiased standard deviation (n - 1 in the denominator), as torch.std and EasyR1.
+    norm_by_std=False is Dr. GRPO (arXiv 2503.20783): A_i = r_i - mean_g.
+    A group without spread gets exactly 0.
+    """
+    x, g, n, flat = group_stats(scores, uids, allow_singletons)  # [N] f64, [N], [G], [G]
+    mean, std = group_mean_std(x, g, n)                          # [G], [G]
+    adv = x - mean[g]                                            # [N]
+    if norm_by_std:
+        adv = adv / (std[g] + eps)
+    return torch.where(flat[g], 0.0, adv).float()
+
+
+def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
+    """Pass@k GRPO (arXiv 2503.19595): only the best response of a group is pushed up.
+
+    A_i = (max_g - second_g) / (std_g + eps)  if r_i = max_g,   else 0
+    second_g is the largest reward left after taking one maximum out, so a tie at the top gives 0.
+    std_g unbiased; a group without spread gets exactly 0.
+    """
+    x, g, n, flat = group_stats(scores, uids, allow_singletons)   # [N] f64, [N], [G], [G]
+    _, std = group_mean_std(x, g, n)                              # [G]
+    top = group_reduce(x, g, len(n), "amax")                      # [G]
+    is_top = x == top[g]                                          # [N]
+    n_top = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, is_top.double())  # [G]
+    below = group_reduce(torch.where(is_top, -torch.inf, x), g, len(n), "amax")           # [G]
+    second = torch.where(n_top > 1, top, below)                                          # [G]
+    adv = torch.where(is_top, ((top - second) / (std + eps))[g], 0.0)                    # [N]
+    return torch.where(flat[g], 0.0, adv).float()
+
+
+def rloo(scores, uids, allow_singletons=False):
+    """RLOO (Ahmadian et al. 2024): leave-one-out baseline.
+
+    A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1)   ( = n_g / (n_g - 1) * (r_i - mean_g) )
+    A group without spread gets exactly 0.
+    """
+    x, g, n, flat = group_stats(scores, uids, allow_singletons)                          # [N] f64, ...
+    total = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, x)                 # [G]
+    adv = x - (total[g] - x) / (n[g] - 1).clamp(min=1)                                   # [N]
+    return torch.where(flat[g], 0.0, adv).float()
+
+
+def reinforce_plus_plus(scores, uids, eps=1e-8):
+    """REINFORCE++ (arXiv 2501.03262): no group baseline, whitening over the whole batch.
+
+    A_i = (R_i - mean(R)) / sqrt(var(R) + eps),  var unbiased, over all N responses.
+    R_i is the return. With one scalar reward per response and gamma = 1 the return of every token
+    is the response's reward, so R = scores and gamma plays no role (see the module docstring).
+    A batch without spread gets exactly 0. uids are not used.
+    """
+    x = as_scores(scores, uids)                                                          # [N] f64
+    if len(x) < 2 or x.max() - x.min() <= FLAT:
+        return torch.zeros(len(x))
+    return ((x - x.mean()) / torch.sqrt(x.var() + eps)).float()
+
+
+def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False):
+    """REINFORCE++ with a group baseline (verl's reinforce_plus_plus_baseline):
+
+    c_i = r_i - mean_g              (exactly 0 for a group without spread)
+    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the whole batch
+    Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
+    """
+    x, g, n, flat = group_stats(scores, uids, allow_singletons)    # [N] f64, [N], [G], [G]
+    mean, _ = group_mean_std(x, g, n)                              # [G]
+    c = torch.where(flat[g], 0.0, x - mean[g])                     # [N]
+    if len(c) < 2 or not (c != 0).any():
+        return torch.zeros(len(c))
+    adv = (c - c.mean()) / torch.sqrt(c.var() + eps)               # [N]
+    return torch.where(flat[g], 0.0, adv).float()
+
+
+def remax(scores, uids, baselines):
+    """ReMax (arXiv 2310.10505): A_i = r_i - b_i, b_i the reward of the greedy response to i's prompt.
+
+    baselines [N]: b_i for every response (the same value within a group; checked).
+    """
+    x = as_scores(scores, uids)                                                          # [N] f64
+    if baselines is None:
+        raise ValueError("remax needs baselines: the reward of a greedy (temperature 0) response per prompt")
+    b = as_scores(baselines, uids, "baseline")                                           # [N] f64
+    g, names = group_index(uids)
+    spread = group_reduce(b, g, len(names), "amax") - group_reduce(b, g, len(names), "amin")  # [G]
+    if (spread > FLAT).any():
+        uid = names[int(torch.argmax(spread))]
+        raise ValueError(f"remax: the baselines of group uid={uid!r} differ; every response of a prompt "
+                         f"must carry the same greedy-response reward")
+    return (x - b).float()
+
+
+ESTIMATORS = {
+    "grpo": grpo, "grpo_passk": grpo_passk, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline, "remax": remax,
+}
+
+
+def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, **opts):
+    """Advantages [N] float32 from the estimator `name` (a key of ESTIMATORS).
+
+    baselines: remax only. norm_by_std (algorithm.norm_adv_by_std_in_grpo): grpo only, as in EasyR1;
+    the other estimators ignore it. opts: the estimator's own options (eps, allow_singletons).
+    """
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
+    if name == "remax":
+        return remax(scores, uids, baselines, **opts)
+    if baselines is not None:
+        raise ValueError(f"baselines are only used by remax, not by {name}")
+    if name == "grpo":
+        opts["norm_by_std"] = norm_by_std
+    return ESTIMATORS[name](scores, uids, **opts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL in the reward (algorithm.use_kl_loss = false): r_i <- r_i - beta * sum_t kl_t
+
+def kl_in_reward(scores, kl_sums, beta):
+    """scores [N] - beta * kl_sums [N] (float64); kl_sums[i] = sum over response i's tokens of the KL
+    estimate (the one chosen by algorithm.kl_penalty, between the old policy and the reference)."""
+    scores, kl_sums = torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(kl_sums, dtype=torch.float64)
+    if scores.shape != kl_sums.shape or scores.dim() != 1:
+        raise ValueError(f"kl_in_reward: scores {tuple(scores.shape)} and kl_sums {tuple(kl_sums.shape)} "
+                         f"must both be [N]")
+    return scores - beta * kl_sums
+
+
+class FixedKLController:
+    """beta stays at kl_coef."""
+
+    def __init__(self, kl_coef):
+        self.value = kl_coef
+
+    def update(self, current_kl, n_steps):
+        pass
+
+
+class AdaptiveKLController:
+    """Adaptive beta (Ziegler et al. 2019) that steers the measured KL towards target_kl:
+
+    e = clip(current_kl / target_kl - 1, -0.2, 0.2)
+    beta <- beta * (1 + e * n_steps / horizon)
+    current_kl: the step's mean KL (EasyR1: mean over responses of each response's token-mean KL);
+    n_steps: responses in the step (EasyR1 passes the batch size).
+    """
+
+    def __init__(self, init_kl_coef, target_kl, horizon):
+        self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
+
+    def update(self, current_kl, n_steps):
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------------------------------------------
+# Online filtering and metrics.
+
+def groups_to_keep(values, uids, low, high, require_spread=True):
+    """The set of uids whose groups are worth training on: low < mean_g(values) < high and, with
+    require_spread, max_g - min_g > 1e-6 (values: one number per response, e.g. the filter_key score).
+
+    EasyR1 tests only the mean; a group of identical values inside (low, high) then survives with
+    all-zero advantages. require_spread=False reproduces EasyR1.
+    """
+    x, g, n, flat = group_stats(values, uids, allow_singletons=True)   # [N] f64, [N], [G], [G]
+    mean, _ = group_mean_std(x, g, n)                                  # [G]
+    keep = (mean > low) & (mean < high)                                # [G]
+    if require_spread:
+        keep &= ~flat
+    names = group_index(uids)[1]
+    return {names[i] for i in torch.nonzero(keep).flatten().tolist()}
+
+
+def advantage_metrics(scores, advantages, uids):
+    """Per-step metrics (EasyR1 names; EasyR1 averages over tokens, these over responses):
+    critic/score/{mean,max,min}, critic/advantages/{mean,max,min}, adv/zero_std_group_frac."""
+    x, _, _, flat = group_stats(scores, uids, allow_singletons=True)   # [N] f64, ..., [G]
+    adv = as_scores(advantages, uids, "advantage")                      # [N] f64
+    return {
+        "critic/score/mean": x.mean().item(), "critic/score/max": x.max().item(), "critic/score/min": x.min().item(),
+        "critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(),
+        "critic/advantages/min": adv.min().item(), "adv/zero_std_group_frac": flat.double().mean().item(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers: groups by uid value.
+
+def group_index(uids):
+    """(g [N] long, names): g[i] is the group number of uids[i]; names[k] the uid of group k (sorted).
+    Vectorised through numpy's unique (it sorts strings in C), so no Python loop over samples."""
+    names, g = np.unique(np.asarray(uids), return_inverse=True)
+    return torch.from_numpy(g.reshape(-1)).long(), names.tolist()
+
+
+def as_scores(scores, uids, what="score"):
+    """scores as a float64 [N] tensor; an error if the shape does not match uids or a value is not finite."""
+    x = scores.detach().to("cpu", torch.float64) if torch.is_tensor(scores) else torch.tensor(scores, dtype=torch.float64)
+    if x.dim() != 1 or len(x) != len(uids):
+        raise ValueError(f"{what}s have shape {tuple(x.shape)} but there are {len(uids)} uids; both must be [N]")
+    bad = torch.nonzero(~torch.isfinite(x)).flatten()
+    if len(bad):
+        i = bad[0].item()
+        raise ValueError(f"{what} {x[i].item()} at position {i} (uid {uids[i]!r}) is not finite; "
+                         f"{len(bad)} of {len(x)} {what}s are NaN or inf")
+    return x
+
+
+def group_stats(scores, uids, allow_singletons):
+    """(x [N] f64, g [N] group numbers, n [G] group sizes f64, flat [G] bool: max - min <= FLAT).
+    A group of one raises unless allow_singletons (it is then flat)."""
+    x = as_scores(scores, uids)
+    g, names = group_index(uids)
+    n = torch.zeros(len(names), dtype=torch.float64).index_add_(0, g, torch.ones_like(x))
+    if not allow_singletons and (n == 1).any():
+        lonely = [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]
+        raise ValueError(f"{len(lonely)} group(s) have a single response (uid {lonely[0]!r}"
+                         f"{', ...' if len(lonely) > 1 else ''}): a group baseline needs n >= 2 responses "
+                         f"per prompt (worker.rollout.n), or pass allow_singletons=True to give them advantage 0")
+    flat = group_reduce(x, g, len(names), "amax") - group_reduce(x, g, len(names), "amin") <= FLAT
+    return x, g, n, flat
+
+
+def group_mean_std(x, g, n):
+    """Per-group mean and unbiased std [G], two-pass in float64 (mean first, then squared deviations)."""
+    mean = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, x) / n
+    squares = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, (x - mean[g]) ** 2)
+    return mean, torch.sqrt(squares / (n - 1).clamp(min=1))
+
+
+def group_reduce(x, g, n_groups, reduce):
+    """Per-group max ("amax") or min ("amin") of x [N] -> [G]."""
+    return torch.zeros(n_groups, dtype=x.dtype).scatter_reduce_(0, g, x, reduce, include_self=False)

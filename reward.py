@@ -1,1 +1,342 @@
-"""reward.py: not built yet (see the open issue for this stage)."""
+"""reward.py: score responses with rule-based reward functions (strings in, dicts of floats out).
+
+    score = load_reward_function("math")                          # a built-in: math | r1v | dapo | toy
+    score = load_reward_function("my_reward.py:compute_score", max_response_length=2048)
+    scores = score(inputs)                                        # list of dicts -> list of dicts
+
+A reward input (built by the trainer, one per response) is EasyR1's dict plus two keys:
+    response:        str   the decoded response (special tokens skipped)
+    response_length: int   its length in tokens
+    ground_truth:    str   the row's answer
+    prompt:          str   the prompt text (new; EasyR1 does not pass it)
+    extra:           dict  the row's other columns (new; e.g. a difficulty or a task type)
+A reward function returns one dict of floats per input, with at least "overall" (the scalar reward
+that advantage.py turns into advantages); any other keys are logged as metrics.
+
+A user's reward file is written exactly as for EasyR1: a module-level REWARD_TYPE = "batch" (the
+default: fn(list of inputs, **kwargs) -> list of dicts) or "sequential" (fn(input, **kwargs) -> dict).
+
+Differences from EasyR1, and why:
+- The prompt text and the row's extra columns reach the reward function: users asked for them
+  (rubric rewards, per-task scoring) and they cost nothing.
+- Every result is checked. A function that raises, returns NaN/inf, a non-number, the wrong number
+  of dicts, forgets "overall" or changes its keys between samples stops training with a RewardError
+  naming the function and the sample (index, head of the response, ground truth). EasyR1 passes
+  such values on, where a NaN silently poisons the whole batch's advantages.
+- Keyword arguments are checked against the function's signature when it is loaded, not at the
+  first call in the middle of a run.
+- Answers are compared with math-verify (parse + verify, a SymPy-based grader) instead of mathruler,
+  after a plain string match. Every parse and comparison has a timeout, so one pathological
+  expression (say 9^{9^{9}}) counts as wrong instead of hanging training.
+- The built-in scorers take one sample at a time (reward type "sequential"); the batch/sequential
+  distinction matters only for user files.
+- math: whitespace inside the tags ("< /think >") is tolerated as in EasyR1, but only the tags are
+  touched (EasyR1 strips the space around every <, > and / of the response). The format test runs in
+  linear time: a regex with four `.*` can backtrack for minutes on a long degenerate response.
+- r1v: the answer tag is matched across lines (EasyR1's is not, so a multi-line answer falls back to
+  the whole response there).
+- toy: a scorer for the offline toy tasks (new).
+"""
+
+import importlib.util
+import inspect
+import math
+import os
+import re
+import sys
+import threading
+
+from math_verify import parse, verify
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it and the sample."""
+
+
+def load_reward_function(spec, **kwargs):
+    """A checked, callable reward function from a built-in name or "path/file.py:function".
+
+    spec: "math" | "r1v" | "dapo" | "toy", or "path/file.py:function" (function defaults to main; the
+    path is relative to the working directory). kwargs are passed to every call of the function.
+    """
+    if spec in BUILTIN:
+        return RewardFunction(BUILTIN[spec], spec, "sequential", kwargs)
+    path, _, fn_name = spec.rpartition(":") if ":" in spec else (spec, "", "main")
+    fn_name = fn_name or "main"
+    if not path.endswith(".py"):
+        raise RewardError(f"reward_function={spec!r} is neither a built-in ({', '.join(BUILTIN)}) "
+                          f"nor a 'path/file.py:function'")
+    if not os.path.isfile(path):
+        raise RewardError(f"reward_function={spec!r}: file {os.path.abspath(path)} does not exist")
+    module_name = f"reward_file_{os.path.splitext(os.path.basename(path))[0]}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # so that dataclasses and pickling inside the file work
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        raise RewardError(f"reward_function={spec!r}: {path} has no function {fn_name!r} "
+                          f"(functions there: {', '.join(found) or 'none'})")
+    reward_type = getattr(module, "REWARD_TYPE", "batch")
+    if reward_type not in ("batch", "sequential"):
+        raise RewardError(f"{path}: REWARD_TYPE = {reward_type!r}; it must be 'batch' or 'sequential'")
+    return RewardFunction(fn, f"{os.path.basename(path)}:{fn_name}", reward_type, kwargs)
+
+
+class RewardFunction:
+    """A reward function with its kwargs bound; calling it scores a list of inputs and checks the results."""
+
+    def __init__(self, fn, name, reward_type, kwargs):
+        self.fn, self.name, self.reward_type, self.kwargs = fn, name, reward_type, dict(kwargs)
+        try:  # the first argument is the input (or the list of inputs)
+            inspect.signature(fn).bind(None, **self.kwargs)
+        except TypeError as e:
+            raise RewardError(f"reward function {name!r} cannot take the keyword arguments {sorted(self.kwargs)} "
+                              f"(worker.reward.reward_function_kwargs): {e}") from None
+
+    def __call__(self, inputs):
+        """inputs: list of reward-input dicts -> list of {key: float} with "overall", same order."""
+        if self.reward_type == "sequential":
+            results = []
+            for i, sample in enumerate(inputs):
+                try:
+                    results.append(self.fn(sample, **self.kwargs))
+                except Exception as e:
+                    raise self._error(inputs, i, f"raised {type(e).__name__}: {e}") from e
+        else:
+            try:
+                results = self.fn(list(inputs), **self.kwargs)
+            except Exception as e:
+                i = self._first_failing_sample(inputs)
+                where = f"raised {type(e).__name__}: {e}"
+                if i is None:
+                    raise RewardError(f"reward function {self.name!r} {where} on a batch of {len(inputs)} "
+                                      f"(no single sample fails alone)") from e
+                raise self._error(inputs, i, where) from e
+            if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
+                got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
+                raise RewardError(f"reward function {self.name!r} (REWARD_TYPE batch) returned {got} for "
+                                  f"{len(inputs)} inputs; it must return one dict per input, in order")
+        return [self._check(inputs, i, result, results[0]) for i, result in enumerate(results)]
+
+    def _check(self, inputs, i, result, first):
+        """result as {key: float}, or a RewardError: not a dict, no "overall", non-finite, keys changed."""
+        if not isinstance(result, dict):
+            raise self._error(inputs, i, f"returned {type(result).__name__}, not a dict of floats")
+        if "overall" not in result:
+            raise self._error(inputs, i, f"returned keys {sorted(result)} without 'overall'")
+        if isinstance(first, dict) and result.keys() != first.keys():
+            raise self._error(inputs, i, f"returned keys {sorted(result)}, but sample 0 returned {sorted(first)}; "
+                                         f"every sample must return the same keys")
+        scores = {}
+        for key, value in result.items():
+            try:
+                if isinstance(value, (str, bytes)):  # float("1.0") works, but a string is a bug
+                    raise TypeError
+                scores[key] = float(value)
+            except (TypeError, ValueError):
+                raise self._error(inputs, i, f"returned {key!r} = {value!r}, which is not a number") from None
+            if not math.isfinite(scores[key]):
+                raise self._error(inputs, i, f"returned {key!r} = {scores[key]}")
+        return scores
+
+    def _first_failing_sample(self, inputs):
+        """Index of the first input on which the batch function raises when called alone, or None.
+        (Only after a failure: it calls the function once per sample.)"""
+        for i, sample in enumerate(inputs):
+            try:
+                self.fn([sample], **self.kwargs)
+            except Exception:
+                return i
+        return None
+
+    def _error(self, inputs, i, what):
+        sample = inputs[i]
+        return RewardError(f"reward function {self.name!r} {what} on sample {i} "
+                           f"(ground_truth={sample.get('ground_truth')!r}, response starts "
+                           f"{str(sample.get('response'))[:200]!r}). Fix the function so it returns a dict of "
+                           f"finite floats with 'overall' for every sample.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in scorers: one sample in, one dict out.
+
+def math_reward(sample, format_weight=0.1, timeout=10.0):
+    """Math with a boxed answer (EasyR1's math.py; Geometry3K).
+
+    format   = 1 if the response fullmatches <think>.*</think>.*\\boxed{.*}.* (DOTALL; whitespace
+               around and inside the tags allowed), else 0
+    accuracy = 1 if the content of the LAST \\boxed{...} (nested braces counted) is equivalent to the
+               ground truth (is_equivalent), else 0
+    overall  = (1 - format_weight) * accuracy + format_weight * format
+    timeout: seconds for each grader step (see is_equivalent).
+    """
+    text = tidy_tags(sample["response"]).strip()
+    think_end = text.find("</think>", len("<think>")) if text.startswith("<think>") else -1
+    box = text.find("\\boxed{", think_end + len("</think>")) if think_end >= 0 else -1
+    form = 1.0 if box >= 0 and "}" in text[box + len("\\boxed{"):] else 0.0
+    answer = last_boxed(text)
+    accuracy = 1.0 if answer is not None and is_equivalent(answer, sample["ground_truth"], timeout) else 0.0
+    return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
+
+
+R1V_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+R1V_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def r1v_reward(sample, format_weight=0.5, timeout=10.0):
+    """R1-V style <think>/<answer> (EasyR1's r1v.py).
+
+    format   = 1 if the response fullmatches <think>.*?</think>\\s*<answer>.*?</answer> (DOTALL), else 0
+    accuracy = 1 if the content of the first <answer>...</answer> (the whole response when there is
+               none, as in EasyR1) is equivalent to the ground truth, else 0
+    overall  = (1 - format_weight) * accuracy + format_weight * format      (0.5 / 0.5 by default)
+    """
+    text = tidy_tags(sample["response"]).strip()
+    form = 1.0 if R1V_FORMAT.fullmatch(text) else 0.0
+    found = R1V_ANSWER.search(text)
+    answer = found.group(1) if found else text
+    accuracy = 1.0 if is_equivalent(answer, sample["ground_truth"], timeout) else 0.0
+    return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
+
+
+DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong_penalty_factor):
+    """DAPO (EasyR1's dapo.py): exact match after Minerva normalisation, plus a soft overlong penalty.
+
+    answer   = text after the last "Answer:" (case-insensitive, to the end of its line) within the last
+               300 characters of the response; "[INVALID]" if there is none
+    accuracy = +1 if minerva_normalize(answer) == minerva_normalize(ground_truth), else -1
+    overlong, with L = response_length (tokens), L_max = max_response_length, L_buf = overlong_buffer_length:
+               0                              if L <= L_max - L_buf
+               (L_max - L_buf - L) / L_buf    if L_max - L_buf < L <= L_max   (linear from 0 to -1)
+               -1                             if L > L_max
+    overall  = accuracy + overlong_penalty_factor * overlong
+    accuracy_normalized = (accuracy + 1) / 2   (in [0, 1]; the usual online-filtering key)
+    """
+    if overlong_buffer_length < 0 or overlong_buffer_length > max_response_length:
+        raise ValueError(f"overlong_buffer_length={overlong_buffer_length} must be within [0, "
+                         f"max_response_length={max_response_length}]")
+    found = DAPO_ANSWER.findall(sample["response"][-300:])
+    answer = found[-1] if found else "[INVALID]"
+    accuracy = 1.0 if minerva_normalize(answer) == minerva_normalize(sample["ground_truth"]) else -1.0
+    length, soft_start = sample["response_length"], max_response_length - overlong_buffer_length
+    if length <= soft_start:
+        overlong = 0.0
+    elif length <= max_response_length:
+        overlong = (soft_start - length) / overlong_buffer_length
+    else:
+        overlong = -1.0
+    return {"overall": accuracy + overlong_penalty_factor * overlong, "accuracy": accuracy,
+            "overlong": overlong, "accuracy_normalized": (accuracy + 1.0) / 2.0}
+
+
+TOY_COLORS = ("red", "green", "blue", "yellow")  # the toy world's colours (toy.py COLORS)
+
+
+def toy_reward(sample):
+    """The offline toy tasks (colours of a square; sums of two numbers): the answer is the first word.
+
+    word     = first whitespace-separated word of the response, lowercased, punctuation stripped from its ends
+    accuracy = 1 if word == the ground truth (lowercased, stripped), else 0
+    format   = 1 if word is a toy answer at all (red, green, blue, yellow, or a whole number), else 0
+    overall  = 0.9 * accuracy + 0.1 * format
+    The format bonus gives a random-init model a signal before it ever names the right answer.
+    """
+    words = sample["response"].split()
+    word = words[0].lower().strip(".,;:!?\"'()[]{}") if words else ""
+    accuracy = 1.0 if word and word == str(sample["ground_truth"]).strip().lower() else 0.0
+    form = 1.0 if word in TOY_COLORS or word.isdigit() else 0.0
+    return {"overall": 0.9 * accuracy + 0.1 * form, "format": form, "accuracy": accuracy}
+
+
+BUILTIN = {"math": math_reward, "r1v": r1v_reward, "dapo": dapo_reward, "toy": toy_reward}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers: tags, boxed answers, the grader, Minerva normalisation.
+
+def tidy_tags(text):
+    """"< think >", "</ think>", "< /answer >" -> "<think>", "</think>", "</answer>"; nothing else changes."""
+    return re.sub(r"<\s*(/?)\s*(think|answer)\s*>", r"<\1\2>", text)
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...}, nested braces counted; None if there is none or it never closes."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{"):i]
+    return None
+
+
+def is_equivalent(answer, ground_truth, timeout=10.0):
+    """True if `answer` and `ground_truth` are the same mathematical object: equal strings (after
+    stripping), or equal to math-verify (\\frac{1}{2}, 0.5, 1/2 and \\dfrac12 agree; units and
+    degree signs are ignored).
+
+    timeout: seconds each math-verify step (parse answer, parse ground truth, compare) may take,
+    rounded up to whole seconds; a timeout or any grader exception counts as not equivalent.
+    math-verify times out with SIGALRM, which works only in the main thread: elsewhere this raises
+    unless timeout <= 0 (no timeout at all, so a pathological expression could hang).
+    """
+    answer, ground_truth = answer.strip(), str(ground_truth).strip()
+    if not answer:
+        return False
+    if answer == ground_truth:
+        return True
+    seconds = max(1, math.ceil(timeout)) if timeout > 0 else None
+    if seconds and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the math grader's timeout uses SIGALRM, which only works in the main thread: "
+                           "call the reward function from the main thread, or pass timeout=0 (no timeout)")
+    try:
+        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=seconds)
+        guess = parse(f"\\boxed{{{answer}}}", parsing_timeout=seconds)
+        return bool(gold and guess and verify(gold, guess, timeout_seconds=seconds))
+    except Exception:
+        return False
+
+
+# Minerva's answer normalisation (Lewkowycz et al. 2022, appendix), in the order it applies them:
+# literal replacements (a "" replacement removes the text), then regex rewrites.
+MINERVA_REPLACE = [
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+] + [(unit, "") for unit in [
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
+    ",\\!", "{,}", '"', "\\dots",
+]]
+MINERVA_REWRITE = [
+    (r"(.*?)\$(.*?)\$(.*)", r"$\2$"),      # keep the first $...$ of a line if there is one
+    (r"\\text\{(.*?)\}", r"\1"),            # \text{x}, \textbf{x}, \overline{x} -> x
+    (r"\\textbf\{(.*?)\}", r"\1"),
+    (r"\\overline\{(.*?)\}", r"\1"),
+    (r"\\boxed\{(.*)\}", r"\1"),             # \boxed{x} -> x
+    (r"frac([^{])(.)", r"frac{\1}{\2}"),     # \frac12 -> \frac{1}{2}
+    (r"sqrt([^{])", r"sqrt{\1}"),            # \sqrt2 -> \sqrt{2}
+]
+
+
+def minerva_normalize(answer):
+    """Minerva's normalisation of a final answer: keep what follows the last "=", drop articles,
+    spaces, "$", unit words and \\text/\\boxed wrappers, expand \\frac12 and \\sqrt2, and drop the
+    commas of a plain integer (1,000 -> 1000)."""
+    answer = answer.split("=")[-1]
+    for old, new in MINERVA_REPLACE:
+        answer = answer.replace(old, new)
+    for pattern, replacement in MINERVA_REWRITE:
+        answer = re.sub(pattern, replacement, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()

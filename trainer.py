@@ -20,16 +20,637 @@ Differences from EasyR1 (and why):
 import argparse
 import dataclasses
 import difflib
+import hashlib
+import json
 import os
+import re
+import shutil
 import sys
+import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+import ray
+import torch
 import yaml
+from tqdm import tqdm
+
+import actor
+import advantage
+import data
+import reward
+import rollout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "configs", "toy.yaml")
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+def fit(cfg):
+    """Train: the step of DESIGN.md, then validation and checkpoints. Returns the last metrics."""
+    run = Run(cfg)
+    try:
+        return run.fit()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at step {run.step}; the last complete checkpoint is in {run.ckpt_root}", flush=True)
+        raise SystemExit(130)
+    finally:
+        run.close()
+
+
+class Run:
+    """Driver state: config, data, workers, loggers. Only plain lists and dicts cross to the workers."""
+
+    def __init__(self, cfg):
+        self.cfg, t = cfg, cfg.trainer
+        _ensure_toy_world(cfg)
+        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or os.path.join("checkpoints", t.project_name, t.experiment_name))
+        os.makedirs(self.ckpt_root, exist_ok=True)
+        self.logger = Logger(self.ckpt_root, t.logger, cfg)
+        model_path = cfg.worker.actor.model.model_path
+        tokenizer_path = cfg.worker.actor.model.tokenizer_path or model_path
+        self.processor, self.tokenizer = data.load_processor(tokenizer_path, cfg.data)
+        self.train_loader = data.PromptLoader(cfg.data.train_files, cfg.data, self.processor, model_path,
+                                              batch_size=cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
+                                              shuffle=cfg.data.shuffle, drop_last=True)
+        self.val_loader = data.PromptLoader(cfg.data.val_files, cfg.data, self.processor, model_path,
+                                            batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False)
+        rw = cfg.worker.reward
+        kwargs = dict(rw.reward_function_kwargs)
+        if rw.reward_function in ("math", "r1v"):  # the built-ins that compare answers with a timeout
+            kwargs.setdefault("timeout", rw.timeout)
+        self.reward_fn = reward.load_reward_function(rw.reward_function, **kwargs)
+        self.kl_ctrl = (advantage.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
+                        if cfg.algorithm.kl_type == "adaptive" else advantage.FixedKLController(cfg.algorithm.kl_coef))
+        self.training_steps = t.max_steps or self.train_loader.batches_per_epoch * t.total_epochs
+        self.workers = WorkerGroup(cfg, self.training_steps)
+        self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
+        self._resume()
+
+    def fit(self):
+        cfg, t = self.cfg, self.cfg.trainer
+        metrics = {}
+        if t.val_before_train and self.step == 0 or t.val_only:
+            metrics = self.validate()
+            self.logger.log(metrics, self.step)
+            if t.val_only:
+                return metrics
+        bar = tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger)
+        while self.step < self.training_steps:
+            self.step += 1
+            metrics = self.train_step()
+            last = self.step == self.training_steps
+            if t.val_freq > 0 and (self.step % t.val_freq == 0 or last):
+                with timer(metrics, "validation"):
+                    metrics.update(self.validate())
+            if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
+                with timer(metrics, "save_checkpoint"):
+                    self.save_checkpoint(metrics.get("val/reward_score"))
+            self.logger.log(metrics, self.step)
+            bar.update(1)
+            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in ("reward/overall", "val/reward_score") if k in metrics})
+        bar.close()
+        plot = self.logger.plot()
+        print(f"done: metrics in {self.logger.jsonl_path}" + (f", plot in {plot}" if plot else "")
+              + f", checkpoints in {self.ckpt_root}", flush=True)
+        return metrics
+
+    def train_step(self):
+        """One GRPO step: prompts -> sync -> generate -> reward -> filter -> log-probs -> advantages -> update."""
+        cfg, metrics = self.cfg, {}
+        with timer(metrics, "step"):
+            with timer(metrics, "gen"):
+                prompts, responses, scores, reward_metrics = self.make_batch(metrics)
+            samples = [_sample(prompts[r["prompt_index"]], r) for r in responses]
+            with timer(metrics, "old"):
+                old = self.workers.log_probs(samples, kind="old")
+            use_ref = not cfg.algorithm.disable_kl
+            if use_ref:
+                with timer(metrics, "ref"):
+                    ref = self.workers.log_probs(samples, kind="ref")
+            with timer(metrics, "adv"):
+                values = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)
+                for sample, lp in zip(samples, old):
+                    sample["old_logprobs"] = lp
+                if use_ref:
+                    for sample, lp in zip(samples, ref):
+                        sample["ref_logprobs"] = lp
+                    if not cfg.algorithm.use_kl_loss:  # KL in the reward, per response
+                        kl = torch.tensor([float(actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], cfg.algorithm.kl_penalty).sum())
+                                           for s in samples], dtype=torch.float64)
+                        values = advantage.kl_in_reward(values, kl, self.kl_ctrl.value)
+                        lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float64)
+                        current_kl = float((kl / lengths.clamp(min=1)).mean())
+                        metrics.update({"actor/kl_penalty": current_kl, "actor/kl_coef": self.kl_ctrl.value})
+                        self.kl_ctrl.update(current_kl, n_steps=len(samples))
+                uids = [s["uid"] for s in samples]
+                baselines = None
+                if cfg.algorithm.adv_estimator == "remax":
+                    baselines = torch.tensor([self.greedy_reward[u] for u in uids], dtype=torch.float64)
+                adv = advantage.compute_advantages(cfg.algorithm.adv_estimator, values, uids, baselines=baselines,
+                                                   norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+                for sample, a in zip(samples, adv.tolist()):
+                    sample["advantage"] = a
+                metrics.update(advantage.advantage_metrics(values, adv, uids))
+            with timer(metrics, "update_actor"):
+                metrics.update(self.workers.update(samples))
+        metrics.update(reward_metrics)
+        metrics.update(_batch_metrics(prompts, responses, samples, old, cfg, metrics))
+        return metrics
+
+    def make_batch(self, metrics):
+        """Generate until `rollout_batch_size` groups are kept (online filtering) or one round without it."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        want, n = cfg.data.rollout_batch_size, cfg.worker.rollout.n
+        kept_prompts, kept_responses, kept_scores, all_scores = [], [], [], []
+        self.workers.sync_weights()
+        rounds = 0
+        while len(kept_prompts) < want:
+            rounds += 1
+            if cfg.trainer.max_try_make_batch > 0 and rounds > cfg.trainer.max_try_make_batch:
+                raise RuntimeError(
+                    f"step {self.step}: online filtering kept {len(kept_prompts)} of {want} groups after "
+                    f"{rounds - 1} rounds (trainer.max_try_make_batch); widen algorithm.filter_low/filter_high, "
+                    f"raise max_try_make_batch, or disable algorithm.online_filtering")
+            prompts = next(self.train_iter)
+            for i, p in enumerate(prompts):
+                p["uid"] = f"{self.step}-{rounds}-{i}"
+            responses = self.workers.generate(prompts, self.sampling(), step=self.step * 1000 + rounds)
+            with timer(metrics, "reward"):
+                scores = self.score(prompts, responses)
+            all_scores += scores
+            if a.adv_estimator == "remax":
+                greedy = self.workers.generate(prompts, {**self.sampling(), "temperature": 0.0, "n": 1}, step=self.step)
+                for p, s in zip(prompts, self.score(prompts, greedy)):
+                    self.greedy_reward[p["uid"]] = s["overall"]
+            if a.online_filtering:
+                keep = advantage.groups_to_keep([s[a.filter_key] for s in scores], [r["uid"] for r in responses],
+                                                low=a.filter_low, high=a.filter_high)
+            else:
+                keep = {p["uid"] for p in prompts}
+            index = {}
+            for i, p in enumerate(prompts):
+                if p["uid"] in keep and len(kept_prompts) < want:
+                    index[i] = len(kept_prompts)
+                    kept_prompts.append(p)
+            for r, s in zip(responses, scores):
+                if r["prompt_index"] in index:
+                    kept_responses.append({**r, "prompt_index": index[r["prompt_index"]]})
+                    kept_scores.append(s)
+        self.workers.sleep()
+        metrics["filter/rounds"] = rounds
+        reward_metrics = {f"reward/{k}": sum(s[k] for s in all_scores) / len(all_scores) for k in all_scores[0]}
+        assert len(kept_responses) == want * n
+        return kept_prompts, kept_responses, kept_scores, reward_metrics
+
+    def sampling(self, override=None):
+        r = self.cfg.worker.rollout
+        settings = {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                    "max_tokens": self.cfg.data.max_response_length, "seed": r.seed}
+        for key, value in (override or {}).items():
+            if key not in settings:
+                raise ConfigError(f"worker.rollout.val_override_config: unknown sampling key {key!r}; "
+                                  f"known: {sorted(settings)}")
+            settings[key] = value
+        return settings
+
+    def score(self, prompts, responses):
+        """Decode and score every response on the driver (strings in, dicts of floats out)."""
+        skip = self.cfg.worker.reward.skip_special_tokens
+        inputs = []
+        for r in responses:
+            p = prompts[r["prompt_index"]]
+            inputs.append({"response": self.tokenizer.decode(r["response_ids"], skip_special_tokens=skip),
+                           "response_length": len(r["response_ids"]), "ground_truth": p["ground_truth"],
+                           "prompt": p["prompt_text"], "extra": p.get("extra", {})})
+        return self.reward_fn(inputs)
+
+    def validate(self):
+        cfg = self.cfg
+        sampling = self.sampling(cfg.worker.rollout.val_override_config)
+        self.workers.sync_weights()
+        scores, lengths, logged = [], [], []
+        for prompts in self.val_loader.epoch():
+            responses = self.workers.generate(prompts, sampling, step=-1)
+            batch_scores = self.score(prompts, responses)
+            scores += batch_scores
+            lengths += [len(r["response_ids"]) for r in responses]
+            for r, s in zip(responses, batch_scores):
+                if len(logged) < cfg.trainer.val_generations_to_log:
+                    p = prompts[r["prompt_index"]]
+                    logged.append({"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
+                                   "ground_truth": p["ground_truth"], "score": s["overall"]})
+        self.workers.sleep()
+        metrics = {f"val/{k}_reward": sum(s[k] for s in scores) / len(scores) for k in scores[0]}
+        metrics["val/reward_score"] = metrics["val/overall_reward"]
+        metrics.update(_stats("val_response_length", lengths))
+        self.logger.log_generations(logged, self.step)
+        return metrics
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, val_score):
+        t = self.cfg.trainer
+        path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
+        self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
+        torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
+        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only}
+        _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
+        if val_score is not None and (self.best["best_val_reward_score"] is None or val_score > self.best["best_val_reward_score"]):
+            self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
+        # The tracker is written last and atomically: a crash before this line leaves the previous one.
+        _write_json_atomic(os.path.join(self.ckpt_root, TRACKER), {"last_global_step": self.step, **self.best})
+        _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
+
+    def _resume(self):
+        t = self.cfg.trainer
+        path = t.load_checkpoint_path
+        if path is None and t.find_last_checkpoint:
+            tracker = os.path.join(self.ckpt_root, TRACKER)
+            if os.path.exists(tracker):
+                info = json.load(open(tracker))
+                path = os.path.join(self.ckpt_root, f"global_step_{info['last_global_step']}")
+                self.best = {k: info.get(k) for k in self.best}
+        self.greedy_reward = {}
+        if path is None:
+            self.train_iter = iter(self.train_loader)
+            return
+        match = re.search(r"global_step_(\d+)/?$", path)
+        if not match or not os.path.isdir(path):
+            raise FileNotFoundError(f"trainer.load_checkpoint_path={path!r} must be an existing global_step_N folder")
+        state = json.load(open(os.path.join(path, "trainer_state.json")))
+        if not state.get("resumable", True):
+            raise RuntimeError(f"{path} was saved with trainer.save_model_only=true and holds no optimizer state: "
+                               f"it cannot be resumed; merge it with merge.py instead")
+        self.workers.load(os.path.join(path, "actor"))
+        self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=False))
+        self.train_iter = iter(self.train_loader)
+        self.kl_ctrl.value = state["kl_coef"]
+        self.step = int(match.group(1))
+        print(f"resumed from {path} (step {self.step})", flush=True)
+
+    def close(self):
+        self.logger.close()
+        self.workers.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers: one Ray actor per GPU (per process on CPU), each hosting actor + reference + rollout
+# ----------------------------------------------------------------------------------------------
+
+class Worker:
+    """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
+
+    def setup(self, cfg, rank, world_size, master, device, training_steps):
+        import torch.distributed as dist
+
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
+        if device == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+        a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
+        common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length,
+                      max_response_length=d.max_response_length, n_per_prompt=r.n, training_steps=training_steps,
+                      use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
+                      kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
+        self.actor = actor.Actor(a, role="actor", **common)
+        needs_ref = not cfg.algorithm.disable_kl
+        self.ref = actor.Actor(a, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
+        self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
+                                            max_response_length=d.max_response_length, device=device,
+                                            tokenizer_path=a.model.tokenizer_path)
+        self.rank = rank
+        return True
+
+    def sync_weights(self):
+        self.rollout.wake_up()
+        self.rollout.load_weights(self.actor.named_tensors())
+
+    def generate(self, prompts, sampling, step):
+        if not prompts:
+            return []
+        seed = _mix_seed(sampling["seed"], step, self.rank)  # a fresh stream per step and rank, reproducible
+        return self.rollout.generate(prompts, **{**sampling, "seed": seed})
+
+    def sleep(self):
+        self.rollout.sleep()
+
+    def log_probs(self, samples, kind):
+        if kind == "ref":
+            return self.ref.compute_log_probs(samples) if self.ref else self.actor.compute_log_probs(samples, disable_adapter=True)
+        return self.actor.compute_log_probs(samples)
+
+    def update(self, samples):
+        return self.actor.update(samples)
+
+    def save(self, path, model_only):
+        self.actor.save_checkpoint(path, model_only=model_only)
+
+    def load(self, path):
+        self.actor.load_checkpoint(path)
+
+    def address(self):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class WorkerGroup:
+    """The driver's handle on the workers: splits lists, calls every worker, joins the results."""
+
+    def __init__(self, cfg, training_steps):
+        t = cfg.trainer
+        self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+        self.world = t.nnodes * t.n_gpus_per_node
+        self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
+        a, r = cfg.worker.actor, cfg.worker.rollout
+        if self.world % self.tp:
+            raise ConfigError(f"worker.rollout.tensor_parallel_size={self.tp} must divide the {self.world} workers")
+        for name, count in (("data.rollout_batch_size x worker.rollout.n", cfg.data.rollout_batch_size * r.n),
+                            ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
+            if count % self.world:
+                raise ConfigError(f"{name} = {count} must be divisible by the {self.world} workers")
+        self.mini_batch = a.global_batch_size * r.n
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()},
+                     **({"num_cpus": max(os.cpu_count() or 1, self.world)} if "RAY_ADDRESS" not in os.environ
+                        and not _ray_cluster_running() else {}))
+        gpu = 1 if self.device == "cuda" else 0
+        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=600)
+        remote = ray.remote(Worker)
+        self.workers = [remote.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=ray.util.scheduling_strategies.
+                                       PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
+                        for i in range(self.world)]
+        master = self._get([self.workers[0].address.remote()], "start")[0]
+        self._get([w.setup.remote(cfg, i, self.world, master, self.device, training_steps)
+                   for i, w in enumerate(self.workers)], "setup")
+
+    def _get(self, refs, what):
+        """ray.get that turns a dead or failing worker into one clear error instead of a hang."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"a worker died during {what}: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise RuntimeError(f"a worker failed during {what}:\n{e}") from None
+
+    def sync_weights(self):
+        self._get([w.sync_weights.remote() for w in self.workers], "weight sync")
+
+    def sleep(self):
+        self._get([w.sleep.remote() for w in self.workers], "rollout sleep")
+
+    def generate(self, prompts, sampling, step):
+        """Split prompts over data-parallel groups; every rank of a TP group sees the same prompts."""
+        groups = self.world // self.tp
+        chunks = [prompts[i::groups] for i in range(groups)]
+        refs = [w.generate.remote(chunks[i // self.tp], sampling, step) for i, w in enumerate(self.workers)]
+        outs = self._get(refs, "generation")
+        by_prompt = {}
+        for g in range(groups):
+            for r in outs[g * self.tp]:  # TP peers return the same responses: keep the first's
+                index = r["prompt_index"] * groups + g  # chunk g holds prompts g, g + groups, ...
+                by_prompt.setdefault(index, []).append({**r, "prompt_index": index})
+        return [r for i in range(len(prompts)) for r in by_prompt.get(i, [])]
+
+    def shard(self, samples):
+        """Per mini-batch, balance samples across ranks by tokens; returns (per-rank lists, per-rank indices)."""
+        lists, indices = [[] for _ in range(self.world)], [[] for _ in range(self.world)]
+        for start in range(0, len(samples), self.mini_batch):
+            chunk = list(range(start, min(start + self.mini_batch, len(samples))))
+            lengths = [len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in chunk]
+            for rank, part in enumerate(actor.partition_balanced(lengths, self.world, equal_size=True)):
+                indices[rank] += [chunk[j] for j in part]
+                lists[rank] += [samples[chunk[j]] for j in part]
+        return lists, indices
+
+    def log_probs(self, samples, kind):
+        lists, indices = self.shard(samples)
+        outs = self._get([w.log_probs.remote(l, kind) for w, l in zip(self.workers, lists)], f"{kind} log-probs")
+        result = [None] * len(samples)
+        for idx, out in zip(indices, outs):
+            for i, lp in zip(idx, out):
+                result[i] = lp
+        return result
+
+    def update(self, samples):
+        lists, _ = self.shard(samples)
+        outs = self._get([w.update.remote(l) for w, l in zip(self.workers, lists)], "actor update")
+        return {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
+
+    def save(self, path, model_only):
+        self._get([w.save.remote(path, model_only) for w in self.workers], "checkpoint save")
+
+    def load(self, path):
+        self._get([w.load.remote(path) for w in self.workers], "checkpoint load")
+
+    def shutdown(self):
+        for w in getattr(self, "workers", []):
+            ray.kill(w)
+        if getattr(self, "pg", None) is not None:
+            ray.util.remove_placement_group(self.pg)
+
+
+def _worker_env():
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+           "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+    for key in ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _ray_cluster_running():
+    """True when `ray start --head` runs on this machine (ray.init() then joins it, as in EasyR1)."""
+    return os.path.exists("/tmp/ray/ray_current_cluster")
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics, logging, checkpoints: helpers of the loop
+# ----------------------------------------------------------------------------------------------
+
+TRACKER = "checkpoint_tracker.json"
+
+
+def _sample(prompt, response):
+    """One training sample (keys documented in actor.py) from a prompt and one of its responses."""
+    return {"uid": prompt["uid"], "prompt_ids": prompt["prompt_ids"], "position_ids": prompt["position_ids"],
+            "multi_modal_inputs": prompt["multi_modal_inputs"], "response_ids": response["response_ids"],
+            "rollout_logprobs": torch.tensor(response["logprobs"], dtype=torch.float32)}
+
+
+def _batch_metrics(prompts, responses, samples, old, cfg, metrics):
+    max_len = cfg.data.max_response_length
+    lengths = [len(r["response_ids"]) for r in responses]
+    out = _stats("response_length", lengths)
+    out["response_length/clip_ratio"] = sum(r["finish_reason"] == "length" for r in responses) / len(responses)
+    out.update(_stats("prompt_length", [len(p["prompt_ids"]) for p in prompts]))
+    diffs = torch.cat([(s["rollout_logprobs"] - lp.float()).abs() for s, lp in zip(samples, old) if len(lp)])
+    if len(diffs):  # a broken weight sync shows up here first
+        out.update({"rollout/logp_diff_mean": diffs.mean().item(), "rollout/logp_diff_max": diffs.max().item()})
+    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    step_time = metrics.get("timing_s/step", 0.0)
+    out.update({"perf/total_num_tokens": tokens, "perf/time_per_step": step_time,
+                "perf/throughput": tokens / max(step_time, 1e-9) / (cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)})
+    for stage in ("gen", "reward"):
+        if f"timing_s/{stage}" in metrics:
+            out[f"timing_per_token_ms/{stage}"] = 1000 * metrics[f"timing_s/{stage}"] / max(sum(lengths), 1)
+    return out
+
+
+def _stats(prefix, values):
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
+
+
+class timer:
+    """with timer(metrics, "gen"): ... adds metrics["timing_s/gen"] (wall seconds of the real wait)."""
+
+    def __init__(self, metrics, name):
+        self.metrics, self.name = metrics, f"timing_s/{name}"
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.metrics[self.name] = self.metrics.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+class Logger:
+    """Console (progress bar + a line per step), JSONL (always, appended), TensorBoard and W&B when asked."""
+
+    def __init__(self, root, names, cfg):
+        self.names, self.root = names, root
+        self.jsonl_path = os.path.join(root, "experiment_log.jsonl")
+        self.jsonl = open(self.jsonl_path, "a")  # appended on resume, never truncated
+        self.generations = open(os.path.join(root, "generations.log"), "a")
+        _write_json_atomic(os.path.join(root, "experiment_config.json"), config_to_dict(cfg))
+        self.tb = self.wandb = None
+        if "tensorboard" in names:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(root, "tensorboard"))
+            except ImportError:
+                print("trainer.logger has tensorboard but it is not installed (pip install tensorboard); skipping it")
+        if "wandb" in names:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
+                                        config=config_to_dict(cfg), resume="allow")
+            except ImportError:
+                print("trainer.logger has wandb but it is not installed (pip install wandb); skipping it")
+
+    def log(self, metrics, step):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if "console" in self.names:
+            keys = [k for k in ("reward/overall", "val/reward_score", "actor/pg_loss", "actor/entropy",
+                                "response_length/mean", "timing_s/step") if k in metrics]
+            tqdm.write(f"step {step}: " + "  ".join(f"{k}={metrics[k]:.4g}" for k in keys))
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def log_generations(self, rows, step):
+        for row in rows:
+            self.generations.write(json.dumps({"step": step, **row}) + "\n")
+            if "console" in self.names:
+                tqdm.write(f"[prompt] {row['prompt']!r}\n[output] {row['response']!r}\n"
+                           f"[ground_truth] {row['ground_truth']!r} [score] {row['score']:.3f}")
+        self.generations.flush()
+
+    def plot(self):
+        """reward, validation score and response length against steps, from the JSONL log."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        rows = [json.loads(line) for line in open(self.jsonl_path)]
+        panels = [("reward/overall", "reward"), ("val/reward_score", "validation score"), ("response_length/mean", "response length")]
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+        for ax, (key, title) in zip(axes, panels):
+            points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+        fig.tight_layout()
+        path = os.path.join(self.root, "metrics.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        return path
+
+    def close(self):
+        self.jsonl.close()
+        self.generations.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def _write_json_atomic(path, obj):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _remove_old_checkpoints(root, step, best_step, limit):
+    """Keep the newest `limit` checkpoints (the best by validation counts toward them and is never removed)."""
+    if limit <= 0:
+        return
+    steps = sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n)))
+    keep = {step} | ({best_step} if best_step is not None else set())
+    for s in reversed(steps):
+        if len(keep) >= limit:
+            break
+        keep.add(s)
+    for s in steps:
+        if s not in keep and s < step:
+            shutil.rmtree(os.path.join(root, f"global_step_{s}"), ignore_errors=True)
+
+
+def _mix_seed(seed, step, rank):
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def _ensure_toy_world(cfg):
+    """Build the offline toy world on first use when the config points into .toy/, and make paths absolute."""
+    m, d = cfg.worker.actor.model, cfg.data
+    if any(str(p).startswith(".toy/") for p in (m.model_path, d.train_files, d.val_files)):
+        import toy
+
+        toy.ensure_toy(os.path.abspath(".toy"))
+    for obj, key in ((m, "model_path"), (m, "tokenizer_path"), (d, "format_prompt"), (d, "override_chat_template"),
+                     (d, "image_dir")):
+        value = getattr(obj, key)
+        if value and os.path.exists(value.split("@")[0]):
+            setattr(obj, key, os.path.abspath(value))
+    for key in ("train_files", "val_files"):
+        path, _, split = getattr(d, key).partition("@")
+        if os.path.exists(path):
+            setattr(d, key, os.path.abspath(path) + (f"@{split}" if split else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,6 +903,9 @@ def check_config(cfg):
     if cfg.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: "
                           f"set worker.rollout.n >= 2 (it is {r.n})")
+    if cfg.algorithm.gamma != 1.0:
+        raise ConfigError("algorithm.gamma must be 1.0: a response has one reward at its end, so a discount "
+                          "only rescales it (per-token rewards are not supported)")
     if a.ulysses_size != 1:
         raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
     if not a.padding_free:
@@ -424,7 +1048,8 @@ def main(argv=None):
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
-    raise SystemExit("the training loop is not built yet")
+    fit(cfg)
+    return 0
 
 
 if __name__ == "__main__":

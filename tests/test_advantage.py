@@ -1,0 +1,237 @@
+"""advantage.py: every estimator against hand-computed values or an independent loop over groups
+(statistics / numpy), exact zeros for groups without spread, order independence, KL in the reward,
+the KL controllers, online filtering and the metrics."""
+
+import math
+import random
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+import advantage
+from advantage import compute_advantages
+
+# interleaved on purpose: groups are the uid values, not runs of positions
+SCORES = [1.0, 0.2, 0.0, 0.9, 0.0, 0.5, 1.0, 0.3]
+UIDS = ["a", "b", "a", "b", "a", "b", "a", "b"]  # groups: a = [1, 0, 0, 1], b = [0.2, 0.9, 0.5, 0.3]
+
+
+def by_group(scores, uids):
+    groups = {}
+    for s, u in zip(scores, uids):
+        groups.setdefault(u, []).append(s)
+    return groups
+
+
+def reference(name, scores, uids, norm_by_std=True):
+    """Independent loop implementation of each estimator (statistics module, plain Python floats)."""
+    groups = by_group(scores, uids)
+    out = []
+    for s, u in zip(scores, uids):
+        g = groups[u]
+        if max(g) - min(g) <= 1e-6:
+            out.append(0.0)
+        elif name == "grpo":
+            out.append((s - statistics.fmean(g)) / (statistics.stdev(g) + 1e-6 if norm_by_std else 1.0))
+        elif name == "rloo":
+            out.append(s - (sum(g) - s) / (len(g) - 1))
+        elif name == "grpo_passk":
+            top, rest = sorted(g)[-1], sorted(g)[-2]
+            out.append((top - rest) / (statistics.stdev(g) + 1e-6) if s == top else 0.0)
+    return out
+
+
+def test_grpo_by_hand():
+    # group a = [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = sqrt(1/3)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    # group b = [0.2, 0.9, 0.5, 0.3]: mean 0.475, squared deviations sum 0.2875, std sqrt(0.2875 / 3)
+    sb = math.sqrt(0.2875 / 3) + 1e-6
+    expected = [a, (0.2 - 0.475) / sb, -a, (0.9 - 0.475) / sb, -a, (0.5 - 0.475) / sb, a, (0.3 - 0.475) / sb]
+    got = advantage.grpo(torch.tensor(SCORES), UIDS)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, torch.tensor(expected), atol=1e-6, rtol=0)
+    assert got[0].item() == pytest.approx(0.866024, abs=1e-6)  # 0.5 / 0.57735...
+
+
+@pytest.mark.parametrize("name,opts", [("grpo", {}), ("grpo", {"norm_by_std": False}), ("rloo", {}), ("grpo_passk", {})])
+def test_group_estimators_match_a_loop(name, opts):
+    rng = random.Random(0)
+    uids = [f"p{rng.randrange(6)}" for _ in range(40)]
+    scores = [rng.choice([0.0, 0.1, 0.9, 1.0, rng.random()]) for _ in uids]
+    for u in set(uids):  # every group needs two members; make one group flat at 0.7
+        uids += [u, u]
+        scores += [0.7, 0.7] if u == "p0" else [rng.random(), 1.0]
+    scores = [0.7 if u == "p0" else s for s, u in zip(scores, uids)]
+    got = compute_advantages(name, torch.tensor(scores, dtype=torch.float64), uids, **opts)
+    expected = torch.tensor(reference(name, scores, uids, **opts), dtype=torch.float32)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[torch.tensor([u == "p0" for u in uids])], torch.zeros(uids.count("p0")))
+
+
+def test_dr_grpo_by_hand():
+    got = compute_advantages("grpo", [1.0, 0.0, 0.0, 0.5], ["x"] * 4, norm_by_std=False)
+    assert torch.allclose(got, torch.tensor([0.625, -0.375, -0.375, 0.125]), atol=1e-7, rtol=0)
+
+
+def test_norm_by_std_is_for_grpo_only():
+    """The trainer passes algorithm.norm_adv_by_std_in_grpo whatever the estimator; only grpo reads it."""
+    got = compute_advantages("rloo", [1.0, 0.0], ["x", "x"], norm_by_std=False)
+    assert torch.equal(got, torch.tensor([1.0, -1.0]))
+    got = compute_advantages("remax", [1.0, 0.0], ["x", "x"], baselines=[0.25, 0.25], norm_by_std=True)
+    assert torch.equal(got, torch.tensor([0.75, -0.25]))
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flat_groups_are_exactly_zero(name, dtype):
+    """0.7 is not dyadic: a float32 pass over 16 copies leaves residue that std + 1e-6 would blow up."""
+    scores = torch.tensor([0.7] * 16 + [0.1] * 8 + [0.0, 1.0, 0.0, 0.5], dtype=dtype)
+    uids = ["flat"] * 16 + ["low"] * 8 + ["mixed"] * 4
+    got = compute_advantages(name, scores, uids)
+    assert torch.equal(got[:24], torch.zeros(24))
+    assert got[25].item() > 0.5
+
+def test_spread_threshold_is_1e_minus_6():
+    """max - min <= 1e-6 counts as no spread (rounding noise), 1e-5 is a real difference."""
+    got = advantage.grpo([0.5, 0.5 + 1e-7, 0.5 - 1e-7, 0.5, 0.5 + 1e-5], ["n", "n", "n", "r", "r"])
+    assert torch.equal(got[:3], torch.zeros(3))
+    assert torch.allclose(got[3:], torch.tensor([-1e-5, 1e-5]) / 2 / (1e-5 / math.sqrt(2) + 1e-6), atol=1e-6, rtol=0)
+
+
+def test_the_flat_case_is_a_real_trap():
+    """Witness: the plain float32 formula on 0.7 x 16 gives advantages of about 0.056, not 0."""
+    x = torch.full((16,), 0.7, dtype=torch.float32)
+    naive = (x - x.mean()) / (x.std() + 1e-6)
+    assert naive.abs().max().item() > 0.01
+    assert torch.equal(advantage.grpo(x, ["u"] * 16), torch.zeros(16))
+
+
+def test_grpo_passk_by_hand():
+    # group q = [0.2, 0.8, 0.5]: best 0.8, second 0.5, mean 0.5, unbiased std sqrt(0.18 / 2) = 0.3;
+    # group t = [0.9, 0.9, 0.2]: a tie at the top, so nobody gets anything
+    got = advantage.grpo_passk([0.2, 0.9, 0.8, 0.9, 0.5, 0.2], ["q", "t", "q", "t", "q", "t"])
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, 0.3 / (0.3 + 1e-6), 0.0, 0.0, 0.0]), atol=1e-6, rtol=0)
+
+
+def test_rloo_by_hand():
+    # [1, 0, 0, 1]: each 1 sees a baseline of 1/3, each 0 one of 2/3
+    got = advantage.rloo([1.0, 0.0, 0.0, 1.0, 3.0, 5.0], ["a", "a", "a", "a", "b", "b"])
+    assert torch.allclose(got, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, -2.0, 2.0]), atol=1e-7, rtol=0)
+
+
+def test_reinforce_plus_plus_against_numpy():
+    scores = np.array([0.3, 1.0, 0.0, 0.25, 0.9, 0.1])
+    expected = (scores - scores.mean()) / np.sqrt(scores.var(ddof=1) + 1e-8)
+    got = advantage.reinforce_plus_plus(torch.tensor(scores), ["a", "a", "b", "b", "c", "c"])
+    assert np.allclose(got.numpy(), expected, atol=1e-6, rtol=0)
+    assert torch.equal(advantage.reinforce_plus_plus([0.7] * 16, ["u"] * 16), torch.zeros(16))
+
+
+def test_reinforce_plus_plus_baseline_against_numpy():
+    scores = np.array([0.3, 1.0, 0.0, 0.25, 0.9, 0.9, 0.5, 0.0])
+    uids = ["a", "a", "b", "b", "c", "c", "a", "b"]
+    means = {u: np.mean([s for s, v in zip(scores, uids) if v == u]) for u in set(uids)}
+    centred = np.array([s - means[u] for s, u in zip(scores, uids)])
+    centred[[4, 5]] = 0.0  # group c has no spread
+    expected = (centred - centred.mean()) / np.sqrt(centred.var(ddof=1) + 1e-8)
+    expected[[4, 5]] = 0.0
+    got = advantage.reinforce_plus_plus_baseline(torch.tensor(scores), uids)
+    assert np.allclose(got.numpy(), expected, atol=1e-6, rtol=0)
+
+
+def test_remax_by_hand_and_baseline_checks():
+    got = compute_advantages("remax", [1.0, 0.0, 0.5, 0.0], ["a", "a", "b", "b"], baselines=[0.5, 0.5, 1.0, 1.0])
+    assert torch.equal(got, torch.tensor([0.5, -0.5, -0.5, -1.0]))
+    with pytest.raises(ValueError, match="uid='b'"):
+        advantage.remax([1.0, 0.0, 0.5, 0.0], ["a", "a", "b", "b"], [0.5, 0.5, 1.0, 0.0])
+    with pytest.raises(ValueError, match="remax needs baselines"):
+        compute_advantages("remax", [1.0, 0.0], ["a", "a"])
+
+
+@pytest.mark.parametrize("name", sorted(advantage.ESTIMATORS))
+def test_permuting_the_batch_permutes_the_result(name):
+    gen = torch.Generator().manual_seed(1)
+    uids = [f"prompt-{i // 5}" for i in range(30)]
+    scores = torch.rand(30, generator=gen, dtype=torch.float64)
+    scores[10:15] = 0.7  # one flat group
+    baselines = torch.tensor([float(i // 5) / 6 for i in range(30)])
+    opts = {"baselines": baselines} if name == "remax" else {}
+    full = compute_advantages(name, scores, uids, **opts)
+    perm = torch.randperm(30, generator=gen)
+    opts = {"baselines": baselines[perm]} if name == "remax" else {}
+    permuted = compute_advantages(name, scores[perm], [uids[i] for i in perm], **opts)
+    assert torch.allclose(permuted, full[perm], atol=1e-6, rtol=0)
+    assert full.abs().sum() > 1.0  # not trivially zero
+
+
+def test_singleton_groups():
+    with pytest.raises(ValueError, match="uid 'lonely'.*worker.rollout.n"):
+        advantage.grpo([1.0, 0.0, 0.5], ["g", "g", "lonely"])
+    got = advantage.grpo([1.0, 0.0, 0.5], ["g", "g", "lonely"], allow_singletons=True)
+    assert got[2].item() == 0.0 and got[0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6), abs=1e-6)
+
+
+def test_integer_uids_and_bad_inputs():
+    assert torch.equal(advantage.rloo([2.0, 0.0, 1.0, 1.0], [7, 7, 3, 3]), torch.tensor([2.0, -2.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
+        compute_advantages("gae", [1.0, 0.0], ["a", "a"])
+    with pytest.raises(ValueError, match="at position 1 \\(uid 'a'\\) is not finite"):
+        compute_advantages("grpo", [1.0, float("nan")], ["a", "a"])
+    with pytest.raises(ValueError, match="there are 3 uids"):
+        compute_advantages("grpo", [1.0, 0.0], ["a", "a", "a"])
+    with pytest.raises(ValueError, match="only used by remax"):
+        compute_advantages("grpo", [1.0, 0.0], ["a", "a"], baselines=[0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL in the reward and the controllers.
+
+def test_kl_in_reward_by_hand():
+    got = advantage.kl_in_reward(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([2.0, -1.0, 0.0]), beta=0.1)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, torch.tensor([0.8, 0.1, 0.5], dtype=torch.float64), atol=1e-7, rtol=0)
+    assert advantage.kl_in_reward([0.3], [0.1], beta=2.0).item() == pytest.approx(0.1, abs=1e-15)
+    with pytest.raises(ValueError, match="must both be \\[N\\]"):
+        advantage.kl_in_reward(torch.zeros(3), torch.zeros(4), 0.1)
+
+
+def test_kl_controllers_by_hand():
+    fixed = advantage.FixedKLController(0.05)
+    fixed.update(current_kl=3.0, n_steps=512)
+    assert fixed.value == 0.05
+    ctl = advantage.AdaptiveKLController(init_kl_coef=0.1, target_kl=0.1, horizon=1000)
+    ctl.update(current_kl=0.15, n_steps=100)          # error 0.5 clipped to 0.2: beta * (1 + 0.2 * 0.1)
+    assert ctl.value == pytest.approx(0.102, abs=1e-12)
+    ctl.update(current_kl=0.09, n_steps=100)          # error -0.1: beta * (1 - 0.01)
+    assert ctl.value == pytest.approx(0.102 * 0.99, abs=1e-12)
+    ctl.update(current_kl=torch.tensor(0.0), n_steps=500)   # error -1 clipped to -0.2: beta * (1 - 0.1)
+    assert ctl.value == pytest.approx(0.102 * 0.99 * 0.9, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Online filtering and metrics.
+
+def test_groups_to_keep():
+    # fw: all wrong but formatted (0.1 each); m: mean 2/3; m2: mean 1/2; w: all wrong; mid: flat at 0.5;
+    # edge: mean exactly at the lower bound (bounds are exclusive)
+    uids = ["fw", "fw", "fw", "m", "m", "m", "m2", "m2", "w", "w", "mid", "mid", "mid", "edge", "edge"]
+    values = [0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.01, 0.01]
+    assert advantage.groups_to_keep(values, uids, 0.01, 0.99) == {"m", "m2"}
+    assert advantage.groups_to_keep(values, uids, 0.01, 0.99, require_spread=False) == {"fw", "m", "m2", "mid"}
+    assert advantage.groups_to_keep(values, uids, 0.6, 0.7) == {"m"}       # mean 2/3
+    assert advantage.groups_to_keep([1.0, 0.0], ["solo", "solo2"], 0.0, 1.0, require_spread=False) == set()
+
+
+def test_advantage_metrics_by_hand():
+    scores = [1.0, 0.0, 0.7, 0.7, 0.5, 0.5]
+    uids = ["a", "a", "b", "b", "c", "c"]
+    adv = advantage.grpo(scores, uids)
+    got = advantage.advantage_metrics(scores, adv, uids)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert got == pytest.approx({
+        "critic/score/mean": 3.4 / 6, "critic/score/max": 1.0, "critic/score/min": 0.0,
+        "critic/advantages/mean": 0.0, "critic/advantages/max": a, "critic/advantages/min": -a,
+        "adv/zero_std_group_frac": 2 / 3,
+    }, abs=1e-6)

@@ -1,0 +1,318 @@
+"""reward.py: the built-in scorers on tables of tricky cases, loading EasyR1-format reward files, and
+the errors a broken reward function produces. Expected values are written out by hand."""
+
+import re
+import textwrap
+import threading
+import time
+
+import pytest
+
+import reward
+from reward import RewardError, load_reward_function
+
+
+def sample(response, ground_truth, response_length=None, **extra):
+    return {"response": response, "response_length": len(response.split()) if response_length is None else response_length,
+            "ground_truth": ground_truth, "prompt": "Solve it.", "extra": extra}
+
+
+LONG = "<think>" + "Let me think. " * 714 + "</think> so \\boxed{7}"  # 10,000+ characters
+
+# (response, ground truth, format, accuracy)
+MATH_CASES = [
+    ("<think>half</think> The answer is \\boxed{\\frac{1}{2}}.", "0.5", 1, 1),
+    ("<think>half</think> \\boxed{0.5}", "\\frac{1}{2}", 1, 1),
+    ("<think>half</think> \\boxed{1/2}", "\\frac{1}{2}", 1, 1),
+    ("<think>d</think> \\boxed{\\dfrac{3}{4}}", "0.75", 1, 1),
+    ("<think>d</think> \\boxed{\\dfrac34}", "\\frac{3}{4}", 1, 1),
+    ("<think>nested</think> \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt2}{2}", 1, 1),
+    ("<think>set</think> \\boxed{\\{1, 2\\}}", "\\{2,1\\}", 1, 1),
+    ("<think>a</think> first \\boxed{3}, on reflection \\boxed{4}", "4", 1, 1),     # the LAST box counts
+    ("<think>a</think> first \\boxed{4}, on reflection \\boxed{3}", "4", 1, 0),
+    ("<think>units</think> \\boxed{3\\text{ cm}}", "3", 1, 1),
+    ("<think>deg</think> \\boxed{60^{\\circ}}", "60", 1, 1),
+    ("<think>eq</think> \\boxed{x = 3}", "3", 1, 1),
+    ("<think>r</think> \\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1, 1),
+    ("<think>w</think> \\boxed{5}", "6", 1, 0),
+    ("< think > spaced tags </ think >\n\\boxed{5}", "5", 1, 1),                     # whitespace in tags
+    ("\n  <think>\nlines\n</think>\n\n\\boxed{5}\n", "5", 1, 1),                      # around the response
+    ("\\boxed{5}", "5", 0, 1),                                                        # no think tags
+    ("<think>x</think> 5", "5", 0, 0),                                                # no box
+    ("<think>x</think> \\boxed{3} and then \\boxed{4", "4", 1, 0),                    # last box never closes
+    ("<think>no end tag \\boxed{5}", "5", 0, 1),
+    ("", "5", 0, 0),                                                                  # empty response
+    ("<think>x</think> \\boxed{}", "5", 1, 0),                                        # empty box
+    (LONG, "7", 1, 1),
+]
+
+
+@pytest.mark.parametrize("response,truth,form,acc", MATH_CASES)
+def test_math_table(response, truth, form, acc):
+    got = reward.math_reward(sample(response, truth))
+    assert got == {"overall": 0.9 * acc + 0.1 * form, "format": float(form), "accuracy": float(acc)}
+
+
+def test_math_format_weight_and_long_response_length():
+    assert len(LONG) > 10_000
+    got = reward.math_reward(sample("\\boxed{5}", "5"), format_weight=0.5)
+    assert got["overall"] == 0.5
+
+
+MATH_REGEX = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)  # EasyR1's definition
+
+
+@pytest.mark.parametrize("text", [
+    "<think></think>\\boxed{}", "<think>a</think>b\\boxed{c}d", "<think>\\boxed{1}</think>", "<think>a</think>\\boxed{",
+    "x<think>a</think>\\boxed{1}", "<think>a</think></think>\\boxed{}}", "<think>\\boxed{</think>}", "</think><think>\\boxed{1}",
+    "<think>a</think>}\\boxed{", "<think>a</think> \\boxed{\\boxed{} x",
+])
+def test_math_format_equals_the_regex(text):
+    """The linear-time format check agrees with the fullmatch regex it replaces."""
+    assert reward.math_reward(sample(text, "0"))["format"] == float(bool(MATH_REGEX.fullmatch(text)))
+
+
+def test_math_degenerate_long_response_is_fast():
+    """Repeated tags with no closing brace: a backtracking regex would take minutes here."""
+    text = "<think>" + "</think>\\boxed{" * 800
+    start = time.perf_counter()
+    assert reward.math_reward(sample(text, "1")) == {"overall": 0.0, "format": 0.0, "accuracy": 0.0}
+    assert time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize("answer,truth,expected", [
+    ("\\frac{1}{2}", "0.5", True), ("0.5", "1/2", True), ("\\dfrac{1}{2}", "\\frac12", True), ("1,000", "1000", True),
+    ("4.0", "4", True), ("x^2+2x+1", "(x+1)^2", True), ("\\frac{1}{3}", "0.333", False), ("", "", False),
+    ("abc", "abc", True), ("}{", "3", False), ("\\pi", "3.14159", False),
+])
+def test_is_equivalent(answer, truth, expected):
+    assert reward.is_equivalent(answer, truth) is expected
+
+
+def test_pathological_expression_times_out_as_wrong():
+    """9^(9^9) has 370 million digits: without the timeout the comparison would run for a very long time."""
+    start = time.perf_counter()
+    assert reward.is_equivalent("9^{9^{9}}", "1", timeout=1) is False
+    assert time.perf_counter() - start < 10.0
+
+
+def test_grader_outside_the_main_thread_is_a_clear_error():
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(_catch(reward.is_equivalent, "0.5", "\\frac12")))
+    worker.start()
+    worker.join()
+    assert "main thread" in str(errors[0])
+    results = []
+    worker = threading.Thread(target=lambda: results.append(reward.is_equivalent("0.5", "\\frac12", timeout=0)))
+    worker.start()
+    worker.join()
+    assert results == [True]  # timeout=0: no SIGALRM, so it works in any thread
+
+
+def _catch(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:
+        return e
+
+
+R1V_CASES = [  # (response, ground truth, format, accuracy)
+    ("<think>a</think><answer>5</answer>", "5", 1, 1),
+    ("<think>a</think>\n\n<answer> \\frac{1}{2} </answer>", "0.5", 1, 1),
+    ("<think>a</think><answer>\n12\n</answer>", "12", 1, 1),                       # multi-line answer
+    ("< think >a</ think > < answer >5</answer >", "5", 1, 1),                       # whitespace in tags
+    ("<think>a</think><answer>5</answer> trailing", "5", 0, 1),                      # text after the answer
+    ("<answer>5</answer>", "5", 0, 1),                                               # no think
+    ("<think>a</think><answer>6</answer>", "5", 1, 0),
+    ("5", "5", 0, 1),                                                                # no tags: whole response
+    ("", "5", 0, 0),
+    ("<think>" + "x " * 5000 + "</think><answer>7</answer>", "7", 1, 1),
+]
+
+
+@pytest.mark.parametrize("response,truth,form,acc", R1V_CASES)
+def test_r1v_table(response, truth, form, acc):
+    got = reward.r1v_reward(sample(response, truth))
+    assert got == {"overall": 0.5 * acc + 0.5 * form, "format": float(form), "accuracy": float(acc)}
+
+
+@pytest.mark.parametrize("raw,normalized", [
+    ("1,000", "1000"), ("\\boxed{5}", "5"), ("$\\frac12$", "\\frac{1}{2}"), ("x = 7", "7"), ("5 degrees", "5"),
+    ("\\text{(B)}", "(B)"), ("\\sqrt2", "\\sqrt{2}"), ("10^{\\circ}", "10"), ("an apple", "apple"), ("12 cm", "12"),
+    ("The answer is $42$ dollars", "42"), ("(1, 2)", "(1,2)"), ("1,2", "12"),
+])
+def test_minerva_normalize(raw, normalized):
+    assert reward.minerva_normalize(raw) == normalized
+
+
+DAPO_KW = {"max_response_length": 100, "overlong_buffer_length": 20, "overlong_penalty_factor": 0.5}
+
+
+@pytest.mark.parametrize("response,truth,acc", [
+    ("work... Answer: 1,000", "1000", 1), ("Answer: \\boxed{5}", "5", 1), ("answer : $\\frac12$", "\\frac{1}{2}", 1),
+    ("Answer: 3\nmore text\nAnswer: 4", "4", 1), ("Answer: 4\nAnswer: 3", "4", -1), ("no marker 4", "4", -1),
+    ("Answer: 4" + " " * 300, "4", -1),                          # outside the last 300 characters
+    ("x" * 10_000 + "Answer: 4", "4", 1), ("", "4", -1), ("Answer: 5 degrees", "5", 1),
+])
+def test_dapo_accuracy(response, truth, acc):
+    got = reward.dapo_reward(sample(response, truth, response_length=10), **DAPO_KW)
+    assert got == {"overall": acc, "accuracy": acc, "overlong": 0.0, "accuracy_normalized": (acc + 1) / 2}
+
+
+@pytest.mark.parametrize("length,overlong", [(0, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0), (101, -1.0), (5000, -1.0)])
+def test_dapo_overlong_penalty(length, overlong):
+    got = reward.dapo_reward(sample("Answer: 4", "4", response_length=length), **DAPO_KW)
+    assert got["overlong"] == pytest.approx(overlong, abs=1e-12)
+    assert got["overall"] == pytest.approx(1.0 + 0.5 * overlong, abs=1e-12)
+
+
+def test_dapo_needs_its_kwargs_at_load_time():
+    with pytest.raises(RewardError, match="max_response_length"):
+        load_reward_function("dapo")
+    scores = load_reward_function("dapo", **DAPO_KW)([sample("Answer: 4", "4", response_length=90)])
+    assert scores == [{"overall": 0.75, "accuracy": 1.0, "overlong": -0.5, "accuracy_normalized": 1.0}]
+
+
+@pytest.mark.parametrize("response,truth,form,acc", [
+    ("red", "red", 1, 1), ("Red.", "red", 1, 1), ("  blue green", "blue", 1, 1), ("blue", "red", 1, 0),
+    ("7", "7", 1, 1), ("8, surely", "7", 1, 0), ("hello red", "red", 0, 0), ("", "red", 0, 0), ("7!", "7", 1, 1),
+    ("purple", "purple", 0, 1), ("red " * 2500, "red", 1, 1),
+])
+def test_toy_table(response, truth, form, acc):
+    got = reward.toy_reward(sample(response, truth))
+    assert got == {"overall": 0.9 * acc + 0.1 * form, "format": float(form), "accuracy": float(acc)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading reward files written for EasyR1.
+
+SEQUENTIAL_FILE = '''
+REWARD_NAME = "length"
+REWARD_TYPE = "sequential"
+
+def compute_score(reward_input, bonus=0.0):
+    assert isinstance(reward_input, dict)
+    hit = float(reward_input["response"].strip() == reward_input["ground_truth"])
+    return {"overall": hit + bonus, "accuracy": hit, "difficulty": reward_input["extra"].get("difficulty", 0)}
+'''
+
+BATCH_FILE = '''
+from dataclasses import dataclass
+
+@dataclass
+class Counter:
+    n: int = 0
+
+def main(reward_inputs, scale=1.0):
+    assert isinstance(reward_inputs, list)
+    return [{"overall": scale * x["response_length"], "prompt_chars": len(x["prompt"])} for x in reward_inputs]
+'''
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_sequential_file_with_kwargs_and_extra_columns(tmp_path):
+    fn = load_reward_function(write(tmp_path, "seq.py", SEQUENTIAL_FILE) + ":compute_score", bonus=0.25)
+    assert (fn.name, fn.reward_type) == ("seq.py:compute_score", "sequential")
+    got = fn([sample("4", "4", difficulty=3), sample("5", "4")])
+    assert got == [{"overall": 1.25, "accuracy": 1.0, "difficulty": 3.0}, {"overall": 0.25, "accuracy": 0.0, "difficulty": 0.0}]
+
+
+def test_batch_file_defaults_to_main_and_batch(tmp_path):
+    fn = load_reward_function(write(tmp_path, "batch.py", BATCH_FILE), scale=0.5)
+    assert (fn.name, fn.reward_type) == ("batch.py:main", "batch")
+    assert fn([sample("a b c", "x"), sample("a", "x")]) == [{"overall": 1.5, "prompt_chars": 9.0},
+                                                            {"overall": 0.5, "prompt_chars": 9.0}]
+    assert load_reward_function(write(tmp_path, "b2.py", BATCH_FILE) + ":")([sample("a", "x")])[0]["overall"] == 1.0
+
+
+def test_builtin_names_and_kwargs():
+    fn = load_reward_function("math", format_weight=0.5)
+    assert (fn.name, fn.reward_type) == ("math", "sequential")
+    assert fn([sample("\\boxed{2}", "2")]) == [{"overall": 0.5, "format": 0.0, "accuracy": 1.0}]
+    assert load_reward_function("toy")([sample("red", "red")]) == [{"overall": 1.0, "format": 1.0, "accuracy": 1.0}]
+    assert load_reward_function("r1v")([sample("<answer>2</answer>", "2")])[0]["overall"] == 0.5
+
+
+@pytest.mark.parametrize("spec_tail,kwargs,message", [
+    (":nope", {}, "has no function 'nope' .*compute_score"),
+    (":compute_score", {"bonsu": 1}, "cannot take the keyword arguments \\['bonsu'\\]"),
+])
+def test_load_errors(tmp_path, spec_tail, kwargs, message):
+    with pytest.raises(RewardError, match=message):
+        load_reward_function(write(tmp_path, "seq.py", SEQUENTIAL_FILE) + spec_tail, **kwargs)
+
+
+def test_load_errors_for_paths_and_types(tmp_path):
+    with pytest.raises(RewardError, match="does not exist"):
+        load_reward_function(str(tmp_path / "missing.py:main"))
+    with pytest.raises(RewardError, match="neither a built-in"):
+        load_reward_function("maths")
+    with pytest.raises(RewardError, match="REWARD_TYPE = 'stream'"):
+        load_reward_function(write(tmp_path, "t.py", "REWARD_TYPE = 'stream'\ndef main(x):\n    return x\n"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Broken reward functions: every failure names the function and the sample.
+
+BROKEN = '''
+REWARD_TYPE = "{kind}"
+import math
+
+def score(x):
+    if x["ground_truth"] == "raise":
+        raise KeyError("answer")
+    value = {{"nan": math.nan, "inf": math.inf, "text": "high", "numeric_text": "1.0"}}.get(x["ground_truth"], 1.0)
+    out = {{"overall": value, "accuracy": 1.0}}
+    if x["ground_truth"] == "no_overall":
+        del out["overall"]
+    if x["ground_truth"] == "extra_key":
+        out["bonus"] = 1.0
+    return out
+
+def main(inputs):
+    {body}
+'''
+SEQUENTIAL_BODY = "return score(inputs)"
+BATCH_BODY = "return [score(x) for x in inputs]"
+
+
+@pytest.mark.parametrize("kind,body", [("sequential", SEQUENTIAL_BODY), ("batch", BATCH_BODY)])
+@pytest.mark.parametrize("bad,message", [
+    ("raise", "raised KeyError: 'answer'"), ("nan", "returned 'overall' = nan"), ("inf", "returned 'overall' = inf"),
+    ("no_overall", "without 'overall'"), ("text", "'overall' = 'high', which is not a number"),
+    ("numeric_text", "'overall' = '1.0', which is not a number"),
+    ("extra_key", "every sample must return the same keys"),
+])
+def test_bad_reward_function_names_function_and_sample(tmp_path, kind, body, bad, message):
+    fn = load_reward_function(write(tmp_path, "broken.py", BROKEN.format(kind=kind, body=body)))
+    inputs = [sample("fine", "1"), sample("fine too", "2"), sample("the bad one " + "z" * 300, bad)]
+    with pytest.raises(RewardError) as caught:
+        fn(inputs)
+    text = str(caught.value)
+    assert "'broken.py:main'" in text and message in text and "sample 2" in text
+    assert f"ground_truth={bad!r}" in text and "the bad one zz" in text
+    assert "z" * 200 not in text  # only the head of the response
+
+
+def test_batch_function_with_wrong_length_or_type(tmp_path):
+    short = load_reward_function(write(tmp_path, "short.py", "def main(xs):\n    return [{'overall': 1.0}]\n"))
+    with pytest.raises(RewardError, match="'short.py:main' .*returned 1 results for 3 inputs"):
+        short([sample("a", "1")] * 3)
+    single = load_reward_function(write(tmp_path, "single.py", "def main(xs):\n    return {'overall': 1.0}\n"))
+    with pytest.raises(RewardError, match="returned dict for 2 inputs"):
+        single([sample("a", "1")] * 2)
+    not_dict = load_reward_function(write(tmp_path, "nd.py", "def main(xs):\n    return [1.0 for x in xs]\n"))
+    with pytest.raises(RewardError, match="returned float, not a dict of floats on sample 0"):
+        not_dict([sample("a", "1")])
+
+
+def test_batch_failure_only_in_company(tmp_path):
+    """A batch function that fails on the batch but on no single sample is still reported, by size."""
+    fn = load_reward_function(write(tmp_path, "pair.py", "def main(xs):\n    assert len(xs) == 1\n    return [{'overall': 0.0}]\n"))
+    with pytest.raises(RewardError, match="'pair.py:main' raised AssertionError.*batch of 2"):
+        fn([sample("a", "1"), sample("b", "2")])
