@@ -1,1 +1,431 @@
-"""data.py: not built yet (see the open issue for this stage)."""
+"""data.py: from a dataset on disk or on the hub to model-ready prompts, images included.
+
+What the trainer calls:
+
+    processor, tokenizer = load_processor(tokenizer_path, cfg.data)
+    train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path,
+                         batch_size=cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
+                         shuffle=cfg.data.shuffle, drop_last=True)
+    val = PromptLoader(cfg.data.val_files, cfg.data, processor, model_path,
+                       batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False)   # -1 = all rows
+    batch = next(train)              # a list of prompt dicts; never ends, epochs follow seamlessly
+    train.current_epoch              # the epoch the next batch belongs to (= epochs completed)
+    train.batches_per_epoch
+    for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
+    state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
+
+Pieces, usable alone: load_rows(spec, cfg) -> Rows; PromptBuilder(cfg, processor, model_path) with
+.build(row, index, where) -> prompt and .measure(row, where) -> length; kept_rows(rows, builder);
+process_image(image, min_pixels, max_pixels) -> PIL.Image. Bad input raises DataError (a ValueError)
+that names the file and row.
+
+The prompt dict (one per row; read by rollout.py, trainer.py, actor.py):
+    uid                 str         f"{epoch}-{index}": unique per prompt within a run (the trainer may overwrite)
+    index               int         row number in the source (over all its files, before filtering)
+    prompt_ids          list[int]   chat-templated prompt, image placeholders EXPANDED (what the actor trains on)
+    raw_prompt_ids      list[int]   the same, UNexpanded: one <|image_pad|> per image (what vLLM wants)
+    prompt_text         str         the chat-templated prompt text (unexpanded)
+    images              list[PIL.Image]  the resized RGB images, in order ([] for text-only rows)
+    multi_modal_inputs  dict        the processor's tensors for exactly these images: pixel_values
+                                    [patches, dim], image_grid_thw [n_images, 3]; {} for text-only rows
+    position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
+                                    get_rope_index), [1, P] for text models; P = len(prompt_ids)
+    ground_truth        str         the answer column
+    extra               dict        the row's other columns, untouched
+
+Config attributes read (DataConfig in trainer.py, documented in configs/geo3k.yaml): prompt_key,
+answer_key, image_key, video_key, image_dir, max_prompt_length, format_prompt, override_chat_template,
+system_prompt, seed, min_pixels, max_pixels, filter_overlong_prompts. The files, batch sizes and shuffle
+come as arguments. Not read: filter_overlong_prompts_workers (measuring needs no pixel decoding: about
+1 ms a row in one process), video_fps (no video here).
+Relative paths (sources, templates) are tried from the working directory, then from this file's folder.
+
+Differences from EasyR1 (and why):
+- Each image is opened and resized once per sample; the same resized images travel in the prompt to
+  the rollout engine and their processor tensors to the actor, so image-token counts always agree
+  (EasyR1 processed them three times, trusting the three to match).
+- A prompt longer than max_prompt_length is an error naming the row when filtering is off, never a
+  silent right-truncation (which cut through image tokens: "Image features and image tokens do not match").
+- The length filter counts text tokens plus image tokens from the image *size* through the processor's
+  own resize arithmetic, without decoding pixels (EasyR1 ran the full processor over every row).
+- Prompts are built lazily per batch, ragged: no padding, no attention mask.
+- Optional system prompt. A missing format_prompt/override_chat_template file is an error naming the
+  path (EasyR1 silently ignored it). configs/format/dapo.jinja has real newlines, not literal "\\n".
+- An image count that disagrees with the <image> placeholders is an error naming the row.
+- Upscaling below min_pixels rounds sides up, so the result really has at least min_pixels pixels.
+- Video is not supported here: a row with videos is a clear error.
+"""
+
+import bisect
+import io
+import logging
+import math
+import os
+
+import datasets
+import jinja2
+import torch
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+HERE = os.path.dirname(os.path.abspath(__file__))
+FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and row and says what to change."""
+
+
+def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
+    """(processor, tokenizer). A vision model's AutoProcessor; for a text model the tokenizer stands in as
+    the processor (same apply_chat_template and __call__). cfg.override_chat_template, when set, replaces
+    the chat template of both, so the trainer decodes with the tokenizer the prompts were built with."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    auto = AutoProcessor if getattr(config, "vision_config", None) is not None else AutoTokenizer
+    processor = auto.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if cfg is not None and cfg.override_chat_template:
+        processor.chat_template = tokenizer.chat_template = _read_text(cfg.override_chat_template,
+                                                                       "data.override_chat_template")
+    return processor, tokenizer
+
+
+class PromptLoader:
+    """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for.
+
+    At start-up: load_rows(files); with filter_overlong_prompts, kept_rows drops the overlong rows.
+    Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e)
+    (in file order without shuffle), cut into batches of `batch_size` (-1 = all rows in one batch);
+    drop_last drops the short tail. The position is (current_epoch, batch): state_dict() saves it and
+    load_state_dict() restores it, so a resumed loader yields exactly the batches an uninterrupted one would.
+    """
+
+    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
+        self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
+        self.rows = load_rows(files, cfg)
+        self.indices = (kept_rows(self.rows, self.builder) if cfg.filter_overlong_prompts
+                        else list(range(len(self.rows))))
+        self.batch_size = len(self.indices) if batch_size == -1 else batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, cfg.seed, drop_last
+        self.current_epoch, self.batch = 0, 0  # the position of the next batch
+        self._order_epoch, self._order = None, None
+        if self.batches_per_epoch == 0:
+            raise DataError(f"{files}: {len(self.indices)} rows, fewer than one batch of {batch_size}")
+
+    @property
+    def batches_per_epoch(self):
+        n = len(self.indices)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self._make_batch(self.current_epoch, self.batch)
+        self.batch += 1
+        if self.batch == self.batches_per_epoch:
+            self.current_epoch, self.batch = self.current_epoch + 1, 0
+        return batch
+
+    def epoch(self):
+        """The batches of one whole epoch (the current one), without moving the position: validation."""
+        for b in range(self.batches_per_epoch):
+            yield self._make_batch(self.current_epoch, b)
+
+    def state_dict(self):
+        return {"epoch": self.current_epoch, "batch": self.batch, "num_rows": len(self.indices),
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        for key in ("num_rows", "batch_size", "shuffle", "seed"):
+            now = len(self.indices) if key == "num_rows" else getattr(self, key)
+            if state[key] != now:
+                raise ValueError(f"{self.rows.name}: the loader state was saved with {key}={state[key]}, now it is "
+                                 f"{now}; resuming would not continue the same order (same data and config needed)")
+        self.current_epoch, self.batch = state["epoch"], state["batch"]
+
+    def _make_batch(self, epoch, b):
+        if self._order_epoch != epoch:
+            n = len(self.indices)
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._order = [self.indices[k] for k in torch.randperm(n, generator=gen).tolist()]
+            else:
+                self._order = self.indices
+            self._order_epoch = epoch
+        batch = []
+        for i in self._order[b * self.batch_size:(b + 1) * self.batch_size]:
+            prompt = self.builder.build(self.rows[i], i, self.rows.where(i))
+            prompt["uid"] = f"{epoch}-{i}"
+            batch.append(prompt)
+        return batch
+
+
+def kept_rows(rows, builder):
+    """Indices of the rows whose expanded prompt fits max_prompt_length; the count dropped goes to the log.
+    Every row is measured (so every bad row is also found here, at start-up), but no pixel is decoded."""
+    limit = builder.cfg.max_prompt_length
+    kept = [i for i in range(len(rows)) if builder.measure(rows[i], rows.where(i)) <= limit]
+    dropped = len(rows) - len(kept)
+    (logger.warning if dropped else logger.info)(
+        f"{rows.name}: dropped {dropped} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
+        f"(image tokens included){'; raise max_prompt_length or lower max_pixels to keep them' if dropped else ''}")
+    if not kept:
+        raise DataError(f"{rows.name}: every row is longer than max_prompt_length={limit}")
+    return kept
+
+
+class PromptBuilder:
+    """One row -> one prompt dict. Holds the processor (the tokenizer for text models), the format template
+    and, for Qwen-VL models, a weightless copy of the model whose get_rope_index gives the mrope rows."""
+
+    def __init__(self, cfg, processor, model_path, trust_remote_code=False):
+        from transformers import AutoConfig, AutoModel
+
+        if cfg.min_pixels > cfg.max_pixels:
+            raise ValueError(f"data.min_pixels={cfg.min_pixels} is larger than data.max_pixels={cfg.max_pixels}")
+        self.cfg, self.processor = cfg, processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.image_processor = getattr(processor, "image_processor", None)
+        self.rope_model = None
+        if self.image_processor is not None:
+            # The bare model class built on the meta device: no weight is read or allocated (a 7B model
+            # builds in ~0.2 s), yet get_rope_index, which reads only the config, runs on CPU tensors.
+            # So the positions are the model's own for every Qwen-VL family, not a re-derivation.
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                self.rope_model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+            if not hasattr(self.rope_model, "get_rope_index"):
+                raise ValueError(f"{type(self.rope_model).__name__} has no get_rope_index: data.py builds "
+                                 "position ids for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text models only")
+        self.template = None
+        if cfg.format_prompt:
+            self.template = jinja2.Template(_read_text(cfg.format_prompt, "data.format_prompt").strip())
+
+    def build(self, row, index, where):
+        """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
+        cfg = self.cfg
+        text, raw_images = self.prompt_text(row, where)
+        images = []
+        for k, image in enumerate(raw_images):
+            try:
+                images.append(process_image(image, cfg.min_pixels, cfg.max_pixels, cfg.image_dir))
+            except Exception as e:
+                raise DataError(f"{where}: image {k} of column '{cfg.image_key}' is unreadable: {e!r}") from e
+        raw_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        multi_modal_inputs = {}
+        if self.image_processor is None:
+            ids = torch.tensor(raw_ids)  # [P]
+        else:
+            try:
+                out = self.processor(text=[text], images=images or None, add_special_tokens=False,
+                                     return_tensors="pt")
+            except Exception as e:
+                raise DataError(f"{where}: the processor failed on this row: {e!r}") from e
+            ids = out["input_ids"][0]  # [P]
+            if images:
+                multi_modal_inputs = {"pixel_values": out["pixel_values"],       # [patches, dim]
+                                      "image_grid_thw": out["image_grid_thw"]}   # [n_images, 3]
+        if len(ids) > cfg.max_prompt_length:
+            raise DataError(f"{where}: the prompt is {len(ids)} tokens with images expanded, more than "
+                            f"max_prompt_length={cfg.max_prompt_length}; set filter_overlong_prompts: true to "
+                            "drop such rows, or raise max_prompt_length, or lower max_pixels")
+        position_ids = torch.arange(len(ids)).unsqueeze(0)  # [1, P]
+        if self.rope_model is not None:
+            mrope, _ = self.rope_model.get_rope_index(  # mm_token_type_ids: text 0, image 1, video 2
+                input_ids=ids.unsqueeze(0), mm_token_type_ids=out["mm_token_type_ids"],
+                image_grid_thw=multi_modal_inputs.get("image_grid_thw"),
+                attention_mask=torch.ones_like(ids).unsqueeze(0))  # [3, 1, P]
+            position_ids = torch.cat([position_ids, mrope[:, 0].to(position_ids.dtype)])  # [4, P]
+        answer = row.get(cfg.answer_key)
+        if answer is None:
+            raise DataError(f"{where}: no answer in column '{cfg.answer_key}'")
+        skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
+        return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
+                "prompt_text": text, "images": images, "multi_modal_inputs": multi_modal_inputs,
+                "position_ids": position_ids, "ground_truth": str(answer),
+                "extra": {k: v for k, v in row.items() if k not in skip}}
+
+    def measure(self, row, where):
+        """The length build() will give, cheaply: tokens of the unexpanded text plus, per image, its token
+        count minus the one placeholder. Image tokens come from the image size (PIL reads only the header)
+        after process_image's resize, through the image processor's own get_number_of_image_patches."""
+        text, images = self.prompt_text(row, where)
+        n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        for k, image in enumerate(images):
+            try:
+                opened = _open_image(image, self.cfg.image_dir)
+                width, height = _target_size(*opened.size, self.cfg.min_pixels, self.cfg.max_pixels)
+                if opened is not image:
+                    opened.close()
+            except Exception as e:
+                raise DataError(f"{where}: image {k} of column '{self.cfg.image_key}' is unreadable: {e!r}") from e
+            patches = self.image_processor.get_number_of_image_patches(height, width, {})
+            n += patches // self.image_processor.merge_size ** 2 - 1
+        return n
+
+    def prompt_text(self, row, where):
+        """(chat-templated text with one image placeholder per image, the row's images unopened).
+
+        The prompt column goes through the format template (`content` = the text), then `<image>` marks
+        split it into image and text parts in order; an optional system message comes first; the chat
+        template adds the generation prompt."""
+        cfg = self.cfg
+        content = row.get(cfg.prompt_key)
+        if not isinstance(content, str) or not content.strip():
+            raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
+        if self.template is not None:
+            content = self.template.render(content=content)
+        if _as_list(row.get(cfg.video_key)):
+            raise DataError(f"{where}: video input is not supported in this install: data.py does not decode "
+                            "videos (that needs PyAV, decord or torchcodec, absent from requirements.txt); "
+                            f"drop column '{cfg.video_key}' or leave it empty")
+        images = _as_list(row.get(cfg.image_key))
+        if content.count("<image>") != len(images):
+            raise DataError(f"{where}: {len(images)} image(s) in column '{cfg.image_key}' but "
+                            f"{content.count('<image>')} <image> placeholder(s) in the prompt; put one <image> "
+                            "where each image goes")
+        if images and self.image_processor is None:
+            raise DataError(f"{where}: the row has images but the model is text-only (no image processor)")
+        if images:
+            parts = []
+            for k, piece in enumerate(content.split("<image>")):
+                parts += ([{"type": "image"}] if k else []) + ([{"type": "text", "text": piece}] if piece else [])
+            content = parts
+        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        messages.append({"role": "user", "content": content})
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, images
+
+
+def process_image(image, min_pixels, max_pixels, image_dir=None):
+    """An RGB PIL image with at most max_pixels and at least min_pixels pixels, aspect ratio kept.
+
+    `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), raw bytes, or a path (relative
+    paths are joined to image_dir). Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by
+    s = sqrt(min_pixels / (w h)) rounds sides up, so the bounds hold exactly; sizes in range are kept."""
+    image = _open_image(image, image_dir)
+    image.load()
+    size = _target_size(image.width, image.height, min_pixels, max_pixels)
+    if size != image.size:
+        image = image.resize(size)
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _target_size(width, height, min_pixels, max_pixels):
+    """(width, height) after process_image's scaling (the formula is in its docstring)."""
+    if width * height > max_pixels:
+        s = math.sqrt(max_pixels / (width * height))
+        return max(1, int(width * s)), max(1, int(height * s))
+    if width * height < min_pixels:
+        s = math.sqrt(min_pixels / (width * height))
+        return math.ceil(width * s), math.ceil(height * s)
+    return width, height
+
+
+def _open_image(image, image_dir):
+    """A lazily opened PIL image (only the header is read) from any accepted form."""
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, (bytes, bytearray)):
+        return Image.open(io.BytesIO(image))
+    if isinstance(image, str) and image:
+        return Image.open(os.path.join(image_dir, image) if image_dir else image)
+    raise TypeError(f"an image must be a PIL image, {{'bytes': ...}}, bytes or a path, not {type(image).__name__}")
+
+
+class Rows:
+    """A source's rows as plain dicts: rows[i], len(rows), rows.where(i) = "<file> row <j>" for errors."""
+
+    def __init__(self, name, parts):
+        self.name, self.parts = name, parts  # parts: [(file or hub id, datasets.Dataset)]
+        self.starts = [0]
+        for _, part in parts:
+            self.starts.append(self.starts[-1] + len(part))
+
+    def __len__(self):
+        return self.starts[-1]
+
+    def __getitem__(self, i):
+        k = bisect.bisect_right(self.starts, i) - 1
+        return self.parts[k][1][i - self.starts[k]]
+
+    def where(self, i):
+        k = bisect.bisect_right(self.starts, i) - 1
+        return f"{self.parts[k][0]} row {i - self.starts[k]}"
+
+
+def load_rows(spec, cfg):
+    """Rows of `spec`, one of:
+      - a local .parquet/.json/.jsonl file (no @split: a file has no splits);
+      - a local folder, `folder@split`: every such file under it whose name contains split (default train);
+      - a hub dataset, `name@split`, through datasets.load_dataset (split default train).
+    The prompt and answer columns must exist in every file."""
+    if not spec:
+        raise DataError("no data source: set data.train_files and data.val_files")
+    path, split = spec, None
+    if "@" in spec and "/" not in spec.rpartition("@")[2]:
+        path, split = spec.rsplit("@", 1)
+    local = _local_path(path)
+    if local is None:
+        try:
+            parts = [(f"{path}@{split or 'train'}", datasets.load_dataset(path, split=split or "train"))]
+        except Exception as e:
+            raise DataError(f"'{spec}' is neither a local file or folder (looked in {os.getcwd()} and {HERE}) "
+                            f"nor loadable from the hub: {e!r}") from e
+    elif os.path.isfile(local):
+        if split is not None:
+            raise DataError(f"'{spec}': a file has no splits; drop '@{split}' or point at the folder")
+        parts = [(local, _read_file(local))]
+    else:
+        split = split or "train"
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names
+                       if os.path.splitext(f)[1] in FILE_BUILDERS and split in f)
+        if not files:
+            raise DataError(f"'{spec}': no .parquet/.json/.jsonl file with '{split}' in its name under {local}")
+        parts = [(f, _read_file(f)) for f in files]
+    for name, part in parts:
+        missing = [key for key in (cfg.prompt_key, cfg.answer_key) if key not in part.column_names]
+        if missing:
+            raise DataError(f"{name}: no column {missing} (columns: {part.column_names}); "
+                            "set data.prompt_key / data.answer_key to the right names")
+    rows = Rows(spec, parts)
+    if len(rows) == 0:
+        raise DataError(f"'{spec}' has no rows")
+    return rows
+
+
+def _read_file(path):
+    builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
+    if builder is None:
+        raise DataError(f"{path}: not a .parquet, .json or .jsonl file")
+    return datasets.load_dataset(builder, data_files=path, split="train")
+
+
+def _local_path(path):
+    """`path` if it exists, else the same relative to this file's folder, else None."""
+    for candidate in (path, os.path.join(HERE, path)):
+        if os.path.exists(candidate):
+            return os.path.abspath(candidate)
+    return None
+
+
+def _read_text(path, key):
+    local = _local_path(path)
+    if local is None or not os.path.isfile(local):
+        raise FileNotFoundError(f"{key}: file not found: {path} (looked in {os.getcwd()} and {HERE})")
+    with open(local) as f:
+        return f.read()
+
+
+def _as_list(value):
+    """A column value as a list of items: None -> [], one image -> [it], a list/array -> list."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict, Image.Image)):
+        return [value]
+    return list(value)

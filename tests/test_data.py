@@ -1,0 +1,520 @@
+"""data.py: sources, prompt text, images, rope positions, the length filter, the loader, bad input.
+
+References are independent of data.py: hand-written prompt strings and sizes, the toy model's own
+get_rope_index, vision tower and forward pass on the processor's own outputs.
+"""
+
+import io
+import json
+import logging
+import os
+import random
+from dataclasses import replace
+
+import datasets
+import pandas as pd
+import pytest
+import torch
+from PIL import Image
+
+import data
+from trainer import DataConfig
+
+torch.set_num_threads(1)
+PAD = "<|image_pad|>"
+QUESTION = "What colour is the square?"
+
+
+def config(**overrides):
+    base = DataConfig(train_files="", val_files="", format_prompt=None, min_pixels=3136, max_pixels=12544,
+                      max_prompt_length=256, rollout_batch_size=4, val_batch_size=-1,
+                      filter_overlong_prompts_workers=1)
+    return replace(base, **overrides)
+
+
+def builder(path, cfg=None):
+    cfg = cfg or config()
+    processor, _ = data.load_processor(path, cfg)
+    return data.PromptBuilder(cfg, processor, path)
+
+
+def loader(path, files, cfg=None, **kw):
+    cfg = cfg or config()
+    processor, _ = data.load_processor(path, cfg)
+    return data.PromptLoader(files, cfg, processor, path, **{"shuffle": True, "drop_last": True, **kw})
+
+
+def png(width, height, color=(200, 20, 20), mode="RGB"):
+    buf = io.BytesIO()
+    Image.new(mode, (width, height), color if mode == "RGB" else None).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chat(user, system=None):
+    """The toy chat template by hand."""
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    return head + f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def vision(n=1):
+    return "<|vision_start|><|image_pad|><|vision_end|>" * n
+
+
+@pytest.fixture(scope="module")
+def vl(toy):
+    return builder(toy["vl_model"])
+
+
+@pytest.fixture(scope="module")
+def model(toy):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(toy["vl_model"]).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(toy):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(toy["vl_model"])
+
+
+def forward(model, prompt):
+    """Logits of the model on a prompt dict, the way the actor feeds it: ids + tensors + position ids
+    ([4, 1, P] for Qwen-VL; a text model takes its one row as the batch of one, [1, P])."""
+    positions = prompt["position_ids"]
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([prompt["prompt_ids"]]),
+                     position_ids=positions[:, None] if len(positions) == 4 else positions,
+                     **prompt["multi_modal_inputs"]).logits[0]
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+def test_process_image_bounds_and_aspect(tmp_path):
+    # Hand-computed: 400x200 down to 12544 px: s = sqrt(12544/80000) = 0.39598 -> 158.4 x 79.2 -> floor.
+    big = data.process_image(Image.new("RGBA", (400, 200)), 3136, 12544)
+    assert big.size == (158, 79) and big.mode == "RGB"
+    # 10x30 up to 3136 px: s = sqrt(3136/300) = 3.2332 -> 32.3 x 97.0 -> ceil 33 x 97 (3201 >= 3136).
+    small = data.process_image(Image.new("L", (10, 30)), 3136, 12544)
+    assert small.size == (33, 97) and small.mode == "RGB"
+    assert data.process_image(Image.new("RGB", (56, 56)), 3136, 12544).size == (56, 56)  # in range: kept
+    rng = random.Random(0)
+    for _ in range(200):
+        w, h = rng.randint(8, 900), rng.randint(8, 900)
+        out = data.process_image(Image.new("RGB", (w, h)), 3136, 12544)
+        area = out.width * out.height
+        assert 3136 <= area <= 12544 or (3136 <= w * h <= 12544 and out.size == (w, h))
+        assert abs(out.width / out.height - w / h) <= (w / h) * 2.5 / min(out.size), (w, h, out.size)
+
+
+def test_process_image_accepts_every_form(tmp_path):
+    raw = png(60, 40, (10, 200, 30))
+    (tmp_path / "a.png").write_bytes(raw)
+    reference = data.process_image(Image.open(io.BytesIO(raw)), 1000, 100000)
+    forms = [raw, {"bytes": raw, "path": None}, {"bytes": None, "path": str(tmp_path / "a.png")},
+             str(tmp_path / "a.png")]
+    for form in forms:
+        out = data.process_image(form, 1000, 100000)
+        assert out.size == (60, 40) and out.tobytes() == reference.tobytes()
+    assert data.process_image("a.png", 1000, 100000, image_dir=str(tmp_path)).tobytes() == reference.tobytes()
+    with pytest.raises(TypeError, match="an image must be"):
+        data.process_image(42, 1000, 100000)
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+ROWS = [{"problem": f"What is {a} + 1?", "answer": str(a + 1), "level": a} for a in range(5)]
+
+
+def test_every_local_source_form(tmp_path, monkeypatch, toy):
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "set.parquet")
+    with open(tmp_path / "set.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in ROWS)
+    (tmp_path / "set.json").write_text(json.dumps(ROWS))
+    folder = tmp_path / "folder"
+    (folder / "data").mkdir(parents=True)
+    pd.DataFrame(ROWS[:3]).to_parquet(folder / "train.parquet")
+    with open(folder / "data" / "test-00000.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in ROWS[3:])
+    cfg = config()
+    for name in ("set.parquet", "set.jsonl", "set.json"):
+        rows = data.load_rows(str(tmp_path / name), cfg)
+        assert [rows[i] for i in range(len(rows))] == ROWS, name
+        assert rows.where(2) == f"{tmp_path / name} row 2"
+    train, test = data.load_rows(f"{folder}@train", cfg), data.load_rows(f"{folder}@test", cfg)
+    assert [train[i] for i in range(len(train))] == ROWS[:3] and [test[i] for i in range(len(test))] == ROWS[3:]
+    assert test.where(1) == f"{folder / 'data' / 'test-00000.jsonl'} row 1"
+    assert len(data.load_rows(str(folder), cfg)) == 3  # a folder without @split reads the train split
+    with pytest.raises(data.DataError, match="a file has no splits"):
+        data.load_rows(f"{tmp_path / 'set.parquet'}@test", cfg)
+    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl file with 'validation'"):
+        data.load_rows(f"{folder}@validation", cfg)
+    # The repo-relative toy path resolves from any working directory.
+    monkeypatch.chdir(tmp_path)
+    assert len(data.load_rows(".toy/colors@test", cfg)) == 64
+
+
+def test_hub_name_at_split_goes_to_load_dataset(monkeypatch, toy):
+    """No network here: a hub id must reach datasets.load_dataset(name, split=...); the fake returns a
+    dataset with an Image feature, as the hub's Geometry3K has, so rows carry PIL images."""
+    calls = []
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "images": datasets.Sequence(datasets.Image())})
+    hub = datasets.Dataset.from_dict({"problem": ["<image>" + QUESTION], "answer": ["red"],
+                                      "images": [[{"bytes": png(56, 56), "path": None}]]}, features=features)
+
+    def fake_load_dataset(path, *args, **kwargs):
+        calls.append((path, kwargs.get("split")))
+        return hub
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    rows = data.load_rows("someone/geometry@test", config())
+    assert calls == [("someone/geometry", "test")] and rows.where(0) == "someone/geometry@test row 0"
+    assert isinstance(rows[0]["images"][0], Image.Image)
+    data.load_rows("someone/geometry", config())
+    assert calls[-1] == ("someone/geometry", "train")
+    prompt = builder(toy["vl_model"]).build(rows[0], 0, rows.where(0))
+    assert prompt["prompt_text"] == chat(vision() + QUESTION) and prompt["ground_truth"] == "red"
+
+    def offline(path, *args, **kwargs):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(data.DataError, match="neither a local file or folder .* nor loadable from the hub"):
+        data.load_rows("no/such_set@train", config())
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+def test_single_image_prompt_from_the_toy_parquet(toy, vl):
+    rows = data.load_rows(os.path.join(toy["colors"], "train.parquet"), config())
+    prompt = vl.build(rows[0], 0, rows.where(0))
+    tok = vl.tokenizer
+    assert prompt["prompt_text"] == chat(vision() + QUESTION)
+    assert prompt["raw_prompt_ids"] == tok(prompt["prompt_text"], add_special_tokens=False)["input_ids"]
+    pad = tok.convert_tokens_to_ids(PAD)
+    k = prompt["raw_prompt_ids"].index(pad)
+    assert prompt["prompt_ids"] == prompt["raw_prompt_ids"][:k] + [pad] * 4 + prompt["raw_prompt_ids"][k + 1:]
+    assert [im.size for im in prompt["images"]] == [(56, 56)] and prompt["images"][0].mode == "RGB"
+    mm = prompt["multi_modal_inputs"]
+    assert mm["image_grid_thw"].tolist() == [[1, 4, 4]] and mm["pixel_values"].shape == (16, 3 * 2 * 14 * 14)
+    assert prompt["ground_truth"] == rows[0]["answer"] and prompt["index"] == 0 and prompt["extra"] == {}
+    # Positions by hand: text 0..k-1; the 2x2 merged image at t=k, h=k+{0,0,1,1}, w=k+{0,1,0,1};
+    # the text after it resumes at k + 2 (= k + max(h, w) of the merged grid).
+    P = len(prompt["prompt_ids"])
+    rest = list(range(k + 2, k + 2 + P - k - 4))
+    expected = [list(range(k)) + image + rest for image in ([k] * 4, [k, k, k + 1, k + 1], [k, k + 1, k, k + 1])]
+    assert prompt["position_ids"].tolist() == [list(range(P))] + expected
+    assert prompt["position_ids"].dtype == torch.long
+
+
+def test_multi_image_prompt_matches_model_rope_vision_tower_and_forward(tmp_path, toy, model, processor):
+    images = [png(56, 56, (200, 20, 20)), png(300, 150, (20, 20, 200)), png(20, 20, (20, 200, 20))]
+    row = {"problem": "Compare <image> and <image>, then <image>: which is red?", "answer": "1",
+           "images": [{"bytes": b, "path": None} for b in images], "id": "q7"}
+    cfg = config(system_prompt="You are a helpful")
+    prompt = builder(toy["vl_model"], cfg).build(row, 3, "mem row 3")
+    text = chat(f"Compare {vision()} and {vision()}, then {vision()}: which is red?", system="You are a helpful")
+    assert prompt["prompt_text"] == text and prompt["extra"] == {"id": "q7"}
+    # Resized once: 300x150 down (s = sqrt(12544/45000) -> 158x79), 20x20 up (s = 2.8 -> 56x56).
+    assert [im.size for im in prompt["images"]] == [(56, 56), (158, 79), (56, 56)]
+    # The processor's own outputs on the same text and the same resized images: the reference.
+    ref = processor(text=[text], images=prompt["images"], return_tensors="pt")
+    assert prompt["prompt_ids"] == ref["input_ids"][0].tolist()
+    assert torch.equal(prompt["multi_modal_inputs"]["pixel_values"], ref["pixel_values"])
+    assert torch.equal(prompt["multi_modal_inputs"]["image_grid_thw"], ref["image_grid_thw"])
+    rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
+                                         image_grid_thw=ref["image_grid_thw"], attention_mask=ref["attention_mask"])
+    P = len(prompt["prompt_ids"])
+    assert prompt["position_ids"].shape == (4, P)
+    assert torch.equal(prompt["position_ids"][0], torch.arange(P))
+    assert torch.equal(prompt["position_ids"][1:], rope[:, 0])
+    # Image-token count = the features the vision tower produces.
+    pad = processor.tokenizer.convert_tokens_to_ids(PAD)
+    with torch.no_grad():
+        features = model.model.visual(prompt["multi_modal_inputs"]["pixel_values"],
+                                      grid_thw=prompt["multi_modal_inputs"]["image_grid_thw"]).pooler_output
+    assert prompt["prompt_ids"].count(pad) == features.shape[0] == 4 + 2 * 5 + 4
+    # The forward on the prompt dict equals the forward on the processor's outputs (own positions).
+    with torch.no_grad():
+        reference = model(**ref).logits[0]
+    torch.testing.assert_close(forward(model, prompt), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_text_only_rows_on_the_vl_model_and_on_a_text_model(toy, model):
+    from transformers import AutoModelForCausalLM
+
+    row = {"problem": "What is 3 + 4?", "answer": 7}
+    vl_prompt = builder(toy["vl_model"]).build(row, 0, "mem row 0")
+    text_prompt = builder(toy["text_model"]).build(row, 0, "mem row 0")
+    for prompt in (vl_prompt, text_prompt):
+        assert prompt["prompt_text"] == chat("What is 3 + 4?") and prompt["ground_truth"] == "7"
+        assert prompt["prompt_ids"] == prompt["raw_prompt_ids"] and prompt["images"] == []
+        assert prompt["multi_modal_inputs"] == {}
+    P = len(vl_prompt["prompt_ids"])
+    assert vl_prompt["position_ids"].tolist() == [list(range(P))] * 4
+    assert text_prompt["position_ids"].tolist() == [list(range(P))]
+    text_model = AutoModelForCausalLM.from_pretrained(toy["text_model"]).eval()
+    with torch.no_grad():
+        reference = text_model(input_ids=torch.tensor([text_prompt["prompt_ids"]])).logits[0]
+        reference_vl = model(input_ids=torch.tensor([vl_prompt["prompt_ids"]])).logits[0]
+    torch.testing.assert_close(forward(text_model, text_prompt), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(forward(model, vl_prompt), reference_vl, rtol=1e-5, atol=1e-5)
+
+
+def test_format_templates_system_prompt_and_chat_template_override(tmp_path, toy):
+    row = {"problem": "  <image>What colour is the square?  ", "answer": "red", "images": [png(56, 56)]}
+    math_prompt = builder(toy["vl_model"], config(format_prompt="configs/format/math.jinja"))
+    text, _ = math_prompt.prompt_text(row, "mem row 0")
+    assert text == chat(vision() + QUESTION + " You FIRST think about the reasoning process as an internal "
+                        "monologue and then provide the final answer. The reasoning process MUST BE enclosed "
+                        "within <think> </think> tags. The final answer MUST BE put in \\boxed{}.")
+    dapo = builder(toy["text_model"], config(format_prompt="configs/format/dapo.jinja"))
+    text, _ = dapo.prompt_text({"problem": "What is 3 + 4?", "answer": "7"}, "mem row 0")
+    assert "\n\nWhat is 3 + 4?\n\nRemember to put your answer" in text and "\\n" not in text
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    over_cfg = config(override_chat_template=str(tmp_path / "chat.jinja"), system_prompt="Be brief.")
+    processor, tokenizer = data.load_processor(toy["text_model"], over_cfg)
+    over = data.PromptBuilder(over_cfg, processor, toy["text_model"])
+    assert over.prompt_text({"problem": "Hi", "answer": "x"}, "r")[0] == "[system] Be brief.\n[user] Hi\n[assistant] "
+    assert tokenizer.chat_template == (tmp_path / "chat.jinja").read_text()  # the trainer's tokenizer agrees
+    for key in ("format_prompt", "override_chat_template"):
+        with pytest.raises(FileNotFoundError, match=f"data.{key}: file not found: configs/format/nope.jinja"):
+            builder(toy["text_model"], config(**{key: "configs/format/nope.jinja"}))
+
+
+# ---------------------------------------------------------------------------- the done-when datasets
+
+def write_datasets(tmp_path):
+    """A Geometry3K-schema parquet (embedded bytes, mixed 0/1/2 images), a jsonl with image paths, a
+    text-only math jsonl."""
+    rng = random.Random(1)
+    geo = []
+    for i in range(8):
+        n = i % 3
+        sizes = [(rng.randint(20, 400), rng.randint(20, 400)) for _ in range(n)]
+        marks = " and ".join(["<image>"] * n)
+        geo.append({"problem": f"{marks} What is 3 + {i}?", "answer": str(3 + i),
+                    "images": [{"bytes": png(w, h), "path": None} for w, h in sizes]})
+    pd.DataFrame(geo).to_parquet(tmp_path / "geo_train.parquet")
+    (tmp_path / "img").mkdir()
+    with open(tmp_path / "paths_train.jsonl", "w") as f:
+        for i in range(6):
+            (tmp_path / "img" / f"{i}.png").write_bytes(png(40 + 20 * i, 60, (20 * i, 100, 50)))
+            images = [f"{i}.png"] if i % 2 else []
+            row = {"problem": "<image>" * len(images) + QUESTION, "answer": "red", "images": images}
+            f.write(json.dumps(row) + "\n")
+    with open(tmp_path / "math_train.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
+    return tmp_path
+
+
+def test_done_when_three_datasets_load_into_prompts_the_toy_model_accepts(tmp_path, toy, model):
+    root = write_datasets(tmp_path)
+    cfg = config(image_dir=str(root / "img"), max_prompt_length=2048,
+                 format_prompt="configs/format/math.jinja")
+    seen_images = 0
+    for name in ("geo_train.parquet", "paths_train.jsonl", "math_train.jsonl"):
+        train = loader(toy["vl_model"], str(root / name), cfg, batch_size=4)
+        val = loader(toy["vl_model"], str(root / name), cfg, batch_size=-1, shuffle=False, drop_last=False)
+        batches = list(val.epoch())
+        assert len(batches) == 1 and [p["index"] for p in batches[0]] == list(range(len(train.rows)))
+        batch = next(train)
+        assert len(batch) == 4 and len({p["uid"] for p in batch}) == 4
+        for prompt in batches[0]:
+            n_images = len(prompt["images"])
+            seen_images += n_images
+            assert prompt["prompt_text"].count(PAD) == n_images
+            logits = forward(model, prompt)
+            assert logits.shape[0] == len(prompt["prompt_ids"]) and torch.isfinite(logits).all()
+    assert seen_images == 7 + 3  # geo: 0+1+2+0+1+2+0+1, paths: rows 1, 3, 5
+
+
+# ------------------------------------------------------------------------------------ overlong prompts
+
+def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, toy, vl, caplog):
+    rng = random.Random(2)
+    rows = []
+    for i in range(12):
+        sizes = [(rng.randint(10, 500), rng.randint(10, 500)) for _ in range(i % 3)]
+        rows.append({"problem": "<image>" * len(sizes) + "What is" + " 3 + 4" * rng.randint(0, 12) + "?",
+                     "answer": "7", "images": [{"bytes": png(w, h), "path": None} for w, h in sizes]})
+    path = str(tmp_path / "mix.parquet")
+    pd.DataFrame(rows).to_parquet(path)
+    source = data.load_rows(path, config())
+    lengths = [len(vl.build(source[i], i, source.where(i))["prompt_ids"]) for i in range(len(source))]
+    assert [vl.measure(source[i], source.where(i)) for i in range(len(source))] == lengths
+    limit = sorted(lengths)[8]
+    dropped = sum(n > limit for n in lengths)
+    assert dropped > 0
+    with caplog.at_level(logging.INFO, logger="data"):
+        filtered = loader(toy["vl_model"], path, config(max_prompt_length=limit), batch_size=-1, shuffle=False)
+    assert filtered.indices == [i for i, n in enumerate(lengths) if n <= limit]
+    assert f"dropped {dropped} of 12 rows longer than max_prompt_length={limit}" in caplog.text
+    assert all(len(p["prompt_ids"]) <= limit for p in next(filtered))
+    # Filtering off: a too-long row is an error naming the file and row, never a silent cut.
+    unfiltered = loader(toy["vl_model"], path, config(max_prompt_length=limit, filter_overlong_prompts=False),
+                        batch_size=-1, shuffle=False)
+    first_long = next(i for i, n in enumerate(lengths) if n > limit)
+    with pytest.raises(data.DataError, match=rf"mix.parquet row {first_long}: the prompt is {lengths[first_long]} "
+                                             rf"tokens with images expanded, more than max_prompt_length={limit}"):
+        next(unfiltered)
+    with pytest.raises(data.DataError, match="every row is longer"):
+        data.kept_rows(source, builder(toy["vl_model"], config(max_prompt_length=5)))
+
+
+# --------------------------------------------------------------------------------------------- loader
+
+def test_loader_epochs_shuffle_and_exact_resume(tmp_path, toy):
+    # 160 rows; every fifth is too long and filtered out: 128 kept, 10 batches of 12, a tail of 8 dropped.
+    rows = [{"problem": f"What is {i % 10} + {i // 10}?" + (" and 3 + 4" * 40 if i % 5 == 0 else ""),
+             "answer": str(i % 10 + i // 10)} for i in range(160)]
+    path = str(tmp_path / "sums.parquet")
+    pd.DataFrame(rows).to_parquet(path)
+    cfg = config(max_prompt_length=64)
+    kept = [i for i in range(160) if i % 5]
+    make = lambda cfg=cfg, **kw: loader(toy["text_model"], path, cfg, **{"batch_size": 12, **kw})
+    indices = lambda batch: [p["index"] for p in batch]
+    straight = make()
+    assert straight.indices == kept and straight.batches_per_epoch == 10
+    batches, epochs = [], []
+    for _ in range(25):
+        epochs.append(straight.current_epoch)
+        batches.append(next(straight))
+    assert epochs == [0] * 10 + [1] * 10 + [2] * 5 and straight.current_epoch == 2
+    order = [indices(b) for b in batches]
+    for e in range(2):
+        visited = [i for b in order[10 * e:10 * e + 10] for i in b]
+        assert len(visited) == len(set(visited)) == 120 and set(visited) <= set(kept)
+    assert order[0:10] != order[10:20]  # a new order every epoch
+    assert all(p["uid"] == f"1-{p['index']}" for p in batches[10])
+    assert all(p["ground_truth"] == rows[p["index"]]["answer"] for b in batches for p in b)
+    assert [indices(b) for b in make().epoch()] == order[:10]  # same seed, same order
+    assert indices(next(make(replace(cfg, seed=2)))) != order[0]
+    # Interrupt after 13 batches (mid epoch 1), save, restore into a fresh loader: the same 12 batches follow.
+    first = make()
+    for _ in range(13):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [next(iter(resumed)) for _ in range(12)]
+    assert [indices(b) for b in rest] == order[13:]
+    assert [p["prompt_ids"] for p in rest[-1]] == [p["prompt_ids"] for p in batches[-1]]
+    with pytest.raises(ValueError, match="batch_size=12, now it is 8"):
+        make(batch_size=8).load_state_dict(state)
+    # Validation order: every kept row once, in file order, the last batch short; the position is left alone.
+    val = make(shuffle=False, drop_last=False, batch_size=50)
+    assert [indices(b) for b in val.epoch()] == [kept[:50], kept[50:100], kept[100:]]
+    assert val.state_dict()["batch"] == 0 and val.current_epoch == 0
+    with pytest.raises(data.DataError, match="fewer than one batch of 500"):
+        make(batch_size=500)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+BAD_ROWS = {
+    "unreadable image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": b"not a png", "path": None}]},
+                         "image 0 of column 'images' is unreadable"),
+    "missing image file": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": "/no/x.png"}]},
+                           "image 0 of column 'images' is unreadable"),
+    "empty prompt": ({"problem": "  ", "answer": "a", "images": []}, "empty prompt in column 'problem'"),
+    "null prompt": ({"problem": None, "answer": "a", "images": []}, "empty prompt in column 'problem'"),
+    "image, no placeholder": ({"problem": "Q?", "answer": "a", "images": [{"bytes": png(56, 56), "path": None}]},
+                              r"1 image\(s\) in column 'images' but 0 <image> placeholder"),
+    "placeholders, no image": ({"problem": "<image><image>Q?", "answer": "a", "images": []},
+                               r"0 image\(s\) in column 'images' but 2 <image> placeholder"),
+    "video": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": ["clip.mp4"]},
+              "video input is not supported in this install"),
+    "null answer": ({"problem": "Q?", "answer": None, "images": []}, "no answer in column 'answer'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_bad_row_is_an_error_naming_file_and_row(case, tmp_path, vl):
+    bad, message = BAD_ROWS[case]
+    good = {"problem": "<image>Q?", "answer": "a", "images": [{"bytes": png(56, 56), "path": None}]}
+    if "videos" in bad:
+        good["videos"] = []
+    path = tmp_path / "set.parquet"
+    pd.DataFrame([good, bad]).to_parquet(path)
+    rows = data.load_rows(str(path), config())
+    vl.build(rows[0], 0, rows.where(0))
+    pattern = rf"{path.name} row 1: .*{message}"
+    with pytest.raises(data.DataError, match=pattern):
+        vl.build(rows[1], 1, rows.where(1))
+    if case not in ("null answer",):  # the length filter meets the same rows at start-up
+        with pytest.raises(data.DataError, match=pattern):
+            data.kept_rows(rows, vl)
+
+
+def test_missing_column_and_images_for_a_text_model(tmp_path, toy):
+    pd.DataFrame([{"question": "Q?", "answer": "a"}]).to_parquet(tmp_path / "q.parquet")
+    with pytest.raises(data.DataError, match=r"q.parquet: no column \['problem'\] .*columns: \['question', 'answer'\]"):
+        data.load_rows(str(tmp_path / "q.parquet"), config())
+    assert len(data.load_rows(str(tmp_path / "q.parquet"), config(prompt_key="question"))) == 1
+    text = builder(toy["text_model"])
+    with pytest.raises(data.DataError, match="r7: the row has images but the model is text-only"):
+        text.build({"problem": "<image>Q?", "answer": "a", "images": [png(56, 56)]}, 7, "r7")
+
+
+# ------------------------------------------------------------------------------- other Qwen-VL families
+
+def tiny_family(family, path, toy):
+    """A tiny random Qwen2-VL or Qwen3-VL with the toy tokenizer, saved as a normal HF folder."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(toy["vl_model"])
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>", "<|endoftext|>", "<|im_end|>")}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=False)
+    template = open(os.path.join(toy["vl_model"], "chat_template.jinja")).read()
+    torch.manual_seed(0)
+    if family == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(text_config=text, vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2), **common)
+        model = tf.Qwen2VLForConditionalGeneration(cfg)
+        processor = tf.Qwen2VLProcessor(
+            image_processor=tf.Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12544),
+            video_processor=tf.Qwen2VLVideoProcessor(), tokenizer=tok, chat_template=template)
+    else:
+        text["rope_parameters"]["mrope_interleaved"] = True
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[1]),
+            **common)
+        model = tf.Qwen3VLForConditionalGeneration(cfg)
+        processor = tf.Qwen3VLProcessor(
+            image_processor=tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=4096, max_pixels=16384),
+            video_processor=tf.Qwen3VLVideoProcessor(), tokenizer=tok, chat_template=template)
+    model.float().save_pretrained(path)
+    processor.save_pretrained(path)
+    return model.eval(), processor
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_qwen2_vl_and_qwen3_vl_prompts_match_their_models(family, tmp_path, toy):
+    model, processor = tiny_family(family, str(tmp_path / family), toy)
+    family_builder = builder(str(tmp_path / family), config(min_pixels=4096, max_pixels=16384))
+    row = {"problem": "<image>What is <image> 3 + 4?", "answer": "7",
+           "images": [png(64, 64), {"bytes": png(200, 90), "path": None}]}
+    text_row = {"problem": "What is 3 + 4?", "answer": "7"}
+    for prompt in (family_builder.build(row, 0, "r0"), family_builder.build(text_row, 1, "r1")):
+        ref = processor(text=[prompt["prompt_text"]], images=prompt["images"] or None, return_tensors="pt")
+        assert prompt["prompt_ids"] == ref["input_ids"][0].tolist()
+        rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
+                                             image_grid_thw=ref.get("image_grid_thw"))
+        assert torch.equal(prompt["position_ids"][1:], rope[:, 0])
+        with torch.no_grad():
+            reference = model(**ref).logits[0]
+        torch.testing.assert_close(forward(model, prompt), reference, rtol=1e-5, atol=1e-5)
