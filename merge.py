@@ -1,1 +1,299 @@
-"""merge.py: not built yet (see the open issue for this stage)."""
+"""merge.py: a training checkpoint -> a Hugging Face folder that `from_pretrained` and vLLM load directly.
+
+    python merge.py --local_dir checkpoints/<project>/<exp>/global_step_N/actor
+    python merge.py --local_dir ... --output DIR --dtype bf16 --max_shard_size 2GB --force
+    python merge.py --local_dir ... --merge_lora      # LoRA run: the merged full model, not the adapter
+
+Reads (CONTRACTS.md, "Checkpoint layout"): <local_dir>/model/, the torch.distributed.checkpoint (DCP) of
+the model state dict written by any number of ranks (its .metadata names every tensor, its shape, dtype
+and pieces; for LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config,
+tokenizer, processor, chat template; adapter_config.json for LoRA), which is never modified.
+Writes, by default to <local_dir>/merged (<local_dir>/adapter for a LoRA run without --merge_lora):
+  full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, with
+               the names save_pretrained writes (transformers 5 reverts its in-memory renames, e.g. Qwen2.5-VL
+               model.language_model.layers.* -> model.layers.*, model.visual.* -> visual.*), a tied lm_head
+               left out as save_pretrained does, and every file of huggingface/ copied byte for byte
+               (config.json's "dtype" is rewritten only when --dtype is given).
+  LoRA adapter adapter_model.safetensors with peft's saved names (adapter name removed), adapter_config.json
+               (inference_mode true), and the tokenizer/processor files (no config.json).
+  --merge_lora the full model with W <- W + scale * B @ A for every adapted linear (see merged_tensor).
+It is written to <output>.partial and renamed into place at the end: a crash leaves no half folder.
+
+Peak memory: tensors are read from the DCP one output shard at a time (dcp.load into pre-allocated
+tensors of that shard only), cast, written and freed: about max_shard_size * (stored bytes / written
+bytes) + the largest tensor, whatever the model size. The model itself is only built on the meta device.
+
+Differences from EasyR1's scripts/model_merger.py (and why):
+- The dtype is a flag (default: as stored), not forced to bf16: a fp32 run can be kept lossless.
+- A missing tensor or a missing/truncated shard file is an error naming it (EasyR1 reused a stale tensor).
+- Any number of ranks and any sharding, through DCP's own metadata; nothing holds all shards in RAM.
+- generation_config.json (the EOS list) and the processor are copied exactly as the base model had them.
+- LoRA is merged from the checkpoint's own tensors, without reloading the base model; no Hub upload.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from safetensors.torch import save_file
+from transformers.core_model_loading import revert_weight_conversion
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth")  # never copied from huggingface/
+
+
+class MergeError(ValueError):
+    """Bad input: the message says what is wrong, where, and what to do."""  # the CLI prints it, exit code 2
+
+
+def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force=False, max_shard_size="2GB"):
+    """Merge the actor checkpoint in `local_dir` into a Hugging Face folder; returns the output path.
+
+    dtype: None keeps each tensor's stored dtype; "bf16" | "fp16" | "fp32" casts every floating tensor.
+    """
+    local_dir = os.path.abspath(local_dir)
+    model_dir, hf_dir = check_checkpoint(local_dir)
+    if dtype is not None and str(dtype).lower().removeprefix("torch.") not in DTYPES:
+        raise MergeError(f"dtype {dtype!r} cannot be written: choose bf16, fp16 or fp32 (None keeps the stored dtype)")
+    dtype = dtype and DTYPES[str(dtype).lower().removeprefix("torch.")]
+    max_bytes = parse_size(max_shard_size)
+    lora_path = os.path.join(hf_dir, "adapter_config.json")
+    lora = json.load(open(lora_path)) if os.path.exists(lora_path) else None
+    if merge_lora and lora is None:
+        raise MergeError(f"--merge_lora was given but {lora_path} does not exist: this is a full-model "
+                         f"checkpoint, merge it without --merge_lora")
+    if lora and (lora.get("use_dora") or lora.get("alpha_pattern") or lora.get("modules_to_save")):
+        raise MergeError(f"{lora_path}: merge.py handles plain LoRA only (no use_dora, alpha_pattern or "
+                         f"modules_to_save); load the checkpoint into the peft model and use peft's save/merge instead")
+    adapter_only = lora is not None and not merge_lora
+    output = os.path.abspath(output or os.path.join(local_dir, "adapter" if adapter_only else "merged"))
+    check_output(output, local_dir, force)
+
+    tensors = read_metadata(model_dir)
+    partial = output + ".partial"  # renamed into place at the end: a crash leaves no half-written output
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        if adapter_only:
+            write_adapter(model_dir, tensors, lora, partial, dtype)
+        else:
+            write_model(model_dir, tensors, hf_dir, lora, partial, dtype, max_bytes)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    for name in sorted(os.listdir(hf_dir)):  # config, generation config, tokenizer, processor, chat template
+        if name == "adapter_config.json" or name.endswith(WEIGHT_SUFFIXES) or (adapter_only and name == "config.json"):
+            continue
+        src, dst = os.path.join(hf_dir, name), os.path.join(partial, name)
+        shutil.copytree(src, dst) if os.path.isdir(src) else shutil.copy2(src, dst)
+    if dtype is not None and not adapter_only:
+        config = {**json.load(open(os.path.join(partial, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
+        json.dump(config, open(os.path.join(partial, "config.json"), "w"), indent=2, sort_keys=True)
+    shutil.rmtree(output, ignore_errors=True)  # exists only with --force (check_output)
+    os.replace(partial, output)
+    return output
+
+
+def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
+    """The full model in safetensors shards of <= max_bytes (a larger single tensor gets its own shard)."""
+    saved_name, tied = hf_names(hf_dir)  # in-memory HF name -> the name save_pretrained writes
+    plan = lora_plan(tensors, lora) if lora else {key: (key, None) for key in tensors}
+    missing, unexpected = sorted(saved_name.keys() - plan.keys()), sorted(plan.keys() - saved_name.keys() - tied)
+    if missing or unexpected:
+        raise MergeError(f"{model_dir} does not match the model of {hf_dir}/config.json: missing tensors "
+                         f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}). "
+                         f"Is huggingface/ from the same run as model/?")
+    shards, shard_bytes = [[]], 0  # consecutive names, in natural order, up to max_bytes written per shard
+    for name in sorted(saved_name, key=natural_key):
+        stored = tensors[plan[name][0]]
+        nbytes = math.prod(stored.size) * (dtype or stored.properties.dtype).itemsize
+        if shards[-1] and shard_bytes + nbytes > max_bytes:
+            shards, shard_bytes = shards + [[]], 0
+        shards[-1].append(name)
+        shard_bytes += nbytes
+
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        keys = [key for name in shard for key in (plan[name][0], *(plan[name][1] or ())[:2])]  # W (+ A, B)
+        loaded = read_tensors(model_dir, tensors, keys)
+        out = {saved_name[name]: cast(merged_tensor(loaded, *plan[name]), dtype) for name in shard}
+        weight_map.update(dict.fromkeys(out, file))
+        total += sum(t.nbytes for t in out.values())
+        save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
+        del loaded, out
+    if len(shards) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def merged_tensor(loaded, key, lora):
+    """The tensor to write for one plan entry (popped from `loaded`). For an adapted linear, from the checkpoint's
+    W [out, in], A [r, in], B [out, r]:
+        W' = W + scale * B @ A,  scale = alpha / r  (alpha / sqrt(r) with use_rslora),  transposed if fan_in_fan_out,
+    summed in fp32 and returned in W's stored dtype, as peft's merge_and_unload does."""
+    weight = loaded.pop(key)
+    if lora is None:
+        return weight
+    key_a, key_b, scale, transpose = lora
+    delta = loaded.pop(key_b).float() @ loaded.pop(key_a).float()  # [out, r] @ [r, in] -> [out, in]
+    return (weight.float() + (delta.T if transpose else delta) * scale).to(weight.dtype)
+
+
+def lora_plan(tensors, lora):
+    """{in-memory HF name: (checkpoint key, None | (key of A, key of B, scale, fan_in_fan_out))} for a peft checkpoint:
+    `base_model.model.<name>` and `<module>.base_layer.weight` -> `<module>.weight`."""
+    adapter, plan = adapter_name(tensors), {}
+    for key in tensors:
+        if ".lora_" in key:
+            if not re.search(rf"\.lora_[AB]\.{re.escape(adapter)}\.weight$", key):
+                raise MergeError(f"--merge_lora cannot merge the peft tensor {key}; use peft's merge_and_unload()")
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if not key.endswith(".base_layer.weight"):
+            plan[name] = (key, None)  # not adapted (or an adapted layer's bias)
+            continue
+        module = key.removesuffix(".base_layer.weight")
+        key_a, key_b = f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight"
+        if key_a not in tensors or key_b not in tensors or len(tensors[key_a].size) != 2:
+            raise MergeError(f"{key} has no 2-d {key_a} / {key_b} pair; use peft's merge_and_unload()")
+        rank = tensors[key_a].size[0]
+        scale = lora["lora_alpha"] / (math.sqrt(rank) if lora.get("use_rslora") else rank)
+        plan[name] = (key, (key_a, key_b, scale, bool(lora.get("fan_in_fan_out"))))
+    return plan
+
+
+def write_adapter(model_dir, tensors, lora, out_dir, dtype):
+    """adapter_model.safetensors with peft's saved names (`...lora_A.default.weight` -> `...lora_A.weight`)."""
+    keys = sorted((key for key in tensors if ".lora_" in key), key=natural_key)
+    adapter = adapter_name(keys)
+    loaded = read_tensors(model_dir, tensors, keys)
+    out = {re.sub(rf"\.{re.escape(adapter)}(\.weight)?$", r"\1", key): cast(loaded.pop(key), dtype) for key in keys}
+    save_file(out, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({**lora, "inference_mode": True}, f, indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def check_checkpoint(local_dir):
+    model_dir, hf_dir = os.path.join(local_dir, "model"), os.path.join(local_dir, "huggingface")
+    if not os.path.exists(os.path.join(model_dir, ".metadata")):
+        nested = os.path.join(local_dir, "actor")
+        hint = f" Did you mean --local_dir {nested}?" if os.path.exists(f"{nested}/model/.metadata") else ""
+        raise MergeError(f"{local_dir} is not an actor checkpoint: {model_dir}/.metadata (torch.distributed.checkpoint)"
+                         f" does not exist. Pass checkpoints/<project>/<exp>/global_step_N/actor.{hint}")
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        raise MergeError(f"{hf_dir}/config.json does not exist: the checkpoint lacks its Hugging Face config copy; "
+                         f"copy the base model's config, tokenizer and processor files into {hf_dir}")
+    return model_dir, hf_dir
+
+
+def check_output(output, local_dir, force):
+    """Not the checkpoint, a folder above it, or a folder inside its model/ or huggingface/."""
+    ins = [os.path.join(local_dir, "model"), os.path.join(local_dir, "huggingface")]
+    if (local_dir + os.sep).startswith(output + os.sep) or any((output + os.sep).startswith(p + os.sep) for p in ins):
+        raise MergeError(f"--output {output} would overwrite the checkpoint {local_dir}; choose another folder")
+    if os.path.exists(output) and not force:
+        raise MergeError(f"{output} already exists; pass --force to replace it, or choose another --output")
+
+
+def read_metadata(model_dir):
+    """{checkpoint key: TensorStorageMetadata (.size, .properties.dtype)}, after checking that every .distcp
+    file the metadata points into (one per saving rank) exists and is long enough."""
+    metadata = dcp.FileSystemReader(model_dir).read_metadata()
+    needed = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, nbytes in sorted(needed.items()):
+        path = os.path.join(model_dir, name)
+        if not os.path.exists(path):
+            raise MergeError(f"{path} is missing: {model_dir}/.metadata lists it (each saving rank writes one). Copy "
+                             f"every rank's .distcp file into {model_dir} (on several nodes, each node wrote its own).")
+        if os.path.getsize(path) < nbytes:
+            raise MergeError(f"{path} is truncated ({os.path.getsize(path)} bytes, the metadata needs {nbytes}); "
+                             f"copy it again from where the run saved it")
+    not_tensors = [key for key, meta in metadata.state_dict_metadata.items() if not hasattr(meta, "size")]
+    if not_tensors:
+        raise MergeError(f"{model_dir} holds non-tensor entries {not_tensors[:5]}; it must hold the model state dict")
+    return metadata.state_dict_metadata
+
+
+def read_tensors(model_dir, tensors, keys):
+    """Only `keys`, each assembled from every rank's pieces: dcp.load into fresh full-size tensors."""
+    state = {key: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in keys}
+    with warnings.catch_warnings(action="ignore"):  # "torch.distributed is disabled ... single process": intended
+        dcp.load(state, storage_reader=dcp.FileSystemReader(model_dir), no_dist=True)
+    return state
+
+
+def hf_names(hf_dir):
+    """({in-memory name: saved name}, tied in-memory names), from the model built on the meta device and
+    transformers' own revert_weight_conversion (what save_pretrained applies before writing)."""
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    cls = getattr(transformers, (config.architectures or ["(none)"])[0], None)  # the class the run trained
+    if cls is None:
+        raise MergeError(f"{hf_dir}/config.json: architectures={config.architectures} names no transformers class")
+    with torch.device("meta"):
+        model = cls._from_config(config)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    probes = {name: torch.empty(0, device="meta") for name in model.state_dict() if name not in tied}
+    owner = {id(t): name for name, t in probes.items()}
+    saved = {owner.get(id(t)): name for name, t in revert_weight_conversion(model, dict(probes)).items()}
+    if None in saved or len(saved) != len(probes):
+        raise MergeError(f"{type(model).__name__} saves fused or split tensors (a transformers conversion op); "
+                         f"merge.py writes renamed tensors only")
+    return saved, tied
+
+
+def cast(tensor, dtype):
+    return (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
+
+
+def parse_size(size):
+    """2000000000, "2GB", "500MB", "1.5GiB" -> bytes (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"([\d.]+)\s*([a-z]*)", str(size).strip(), re.IGNORECASE)
+    if not match or match.group(2).upper() not in units or float(match.group(1)) <= 0:
+        raise MergeError(f"max_shard_size {size!r} is not a size such as 2GB, 500MB or 1000000")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def adapter_name(keys):
+    """The one peft adapter name in `...lora_A.<adapter>.weight` keys ("default" for the actor)."""
+    names = {m.group(1) for key in keys if (m := re.search(r"\.lora_A\.([^.]+)\.weight$", key))}
+    if len(names) != 1:
+        raise MergeError(f"expected the LoRA tensors of one adapter in the checkpoint, found {sorted(names) or 'none'}")
+    return names.pop()
+
+
+def natural_key(name):  # "layers.10" after "layers.9"
+    return [part.zfill(12) if part.isdigit() else part for part in name.split(".")]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local_dir", required=True, help="checkpoints/<project>/<exp>/global_step_N/actor")
+    parser.add_argument("--output", help="default <local_dir>/merged (<local_dir>/adapter: LoRA without --merge_lora)")
+    parser.add_argument("--dtype", help="bf16 | fp16 | fp32 (default: as stored in the checkpoint)")
+    parser.add_argument("--merge_lora", action="store_true", help="LoRA run: write the merged full model")
+    parser.add_argument("--max_shard_size", default="2GB", help="per safetensors file (default 2GB)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    args = parser.parse_args(argv)
+    try:
+        out = merge_checkpoint(**vars(args))
+    except MergeError as e:
+        parser.exit(2, f"merge.py: error: {e}\n")
+    print(f"merged {args.local_dir} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

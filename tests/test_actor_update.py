@@ -1,0 +1,358 @@
+"""The update step of actor.Actor on the toy Qwen2.5-VL (fp32, CPU): on-policy ratio, independence of the
+gradient from micro-batching and from the number of ranks, the non-finite-gradient skip, and that every
+trainable parameter learns. Samples are built by hand from the toy processor."""
+
+import copy
+import math
+import os
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import actor as actor_module  # noqa: E402
+import trainer  # noqa: E402
+
+MAX_PROMPT, MAX_RESPONSE = 64, 8
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32 sums in another order
+LR = 1e-3
+# Adam's first step is lr * g / (|g| + eps): an element whose |g| is near eps turns fp32 summation noise in
+# g into a visible change of the step, so weights after a step agree only to a fraction of lr.
+WEIGHT_ATOL = 0.05 * LR
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples and actors
+# ----------------------------------------------------------------------------------------------
+
+def make_cfg(model_path, **overrides):
+    """ActorConfig for the toy: fp32 master and compute, no checkpointing, plain AdamW, no clipping."""
+    cfg = trainer.ActorConfig()
+    cfg.model.model_path = model_path
+    cfg.model.enable_gradient_checkpointing = False
+    cfg.fsdp.torch_dtype = cfg.fsdp.mp_param_dtype = "fp32"
+    cfg.optim.lr = LR
+    cfg.optim.weight_decay = 0.0  # a parameter then changes only through its gradient
+    cfg.max_grad_norm = 1e9  # no clipping: a wrongly scaled gradient must show
+    cfg.global_batch_size = 2  # prompts per mini-batch: 2 x n_per_prompt = the 4 samples below
+    cfg.dynamic_batching = False
+    cfg.micro_batch_size_per_device_for_update = 4
+    for key, value in overrides.items():
+        obj = cfg
+        *path, leaf = key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, leaf, value)
+    return cfg
+
+
+def make_actor(cfg, training_steps=4):
+    return actor_module.Actor(cfg, role="actor", temperature=1.0, device="cpu", max_prompt_length=MAX_PROMPT,
+                              max_response_length=MAX_RESPONSE, n_per_prompt=2, training_steps=training_steps)
+
+
+def build_samples(model_path):
+    """Two prompts (one with a 56x56 image -> 4 image tokens, one text-only), two responses each, with
+    advantages; position ids [4, P] from the model's own get_rope_index (built weightless on meta)."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoModel, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    tok = processor.tokenizer
+    with torch.device("meta"):
+        rope_model = AutoModel.from_config(AutoConfig.from_pretrained(model_path))
+    prompts = []
+    for image, content in ((Image.new("RGB", (56, 56), (220, 30, 30)),
+                            [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]),
+                           (None, "What is 3 + 4 ?")):
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        out = processor(text=[text], images=[image] if image else None, add_special_tokens=False, return_tensors="pt")
+        ids = out["input_ids"][0]  # [P]
+        mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if image else {}
+        mrope, _ = rope_model.get_rope_index(
+            input_ids=ids[None], mm_token_type_ids=(ids == processor.image_token_id).long()[None],
+            image_grid_thw=mm.get("image_grid_thw"), attention_mask=torch.ones_like(ids)[None])  # [3, 1, P]
+        position_ids = torch.cat([torch.arange(len(ids))[None], mrope[:, 0]])  # [4, P]
+        prompts.append({"prompt_ids": ids.tolist(), "multi_modal_inputs": mm, "position_ids": position_ids})
+    assert sum(t == processor.image_token_id for t in prompts[0]["prompt_ids"]) == 4
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    words = [["red", "green"], ["blue", "yellow", "green", "red", "square"], ["7"], ["3", "+", "4", "is"]]
+    advantages = [1.0, -1.0, 0.7, -0.7]
+    samples = []
+    for k, (response, advantage) in enumerate(zip(words, advantages)):
+        ids = tok(" ".join(response), add_special_tokens=False)["input_ids"] + [end]
+        samples.append(dict(prompts[k // 2], response_ids=ids, advantage=advantage))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def samples(toy):
+    """The 4 samples with old log-probs from the model, shifted by +-0.4 on alternate tokens so that the
+    update's ratios leave the clip range on some tokens (the gradient then depends on the clip branches)."""
+    samples = build_samples(toy["vl_model"])
+    old = make_actor(make_cfg(toy["vl_model"])).compute_log_probs(samples)
+    for s, logp in zip(samples, old):
+        shift = torch.tensor([0.4 if t % 2 else -0.4 for t in range(len(logp))])
+        s["old_logprobs"] = logp + shift
+    return samples
+
+
+class Spy:
+    """Wraps actor.policy_loss (as actor.py calls it) to record max |logp - old_logp| per micro-batch, and an
+    actor's optimizer.step to record the gradients it is about to apply (full tensors, by parameter name)."""
+
+    def __init__(self, monkeypatch=None):
+        self.log_ratio_max, self.grads = [], []
+        if monkeypatch is not None:
+            real = actor_module.policy_loss
+
+            def policy_loss(logp, old_logp, *args, **kwargs):
+                self.log_ratio_max.append((logp.detach() - old_logp).abs().max().item())
+                return real(logp, old_logp, *args, **kwargs)
+
+            monkeypatch.setattr(actor_module, "policy_loss", policy_loss)
+
+    def watch(self, actor):
+        names = {id(p): n for n, p in actor.module.named_parameters()}
+        real_step = actor.optimizer.step
+
+        def step(*args, **kwargs):
+            grads = {}
+            for group in actor.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        g = p.grad
+                        grads[names[id(p)]] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+            self.grads.append(grads)
+            return real_step(*args, **kwargs)
+
+        actor.optimizer.step = step
+        return actor
+
+
+def params_of(actor):
+    return {n: t.detach().clone() for n, t in actor.named_tensors()}
+
+
+def assert_same_tensors(a, b, what, rtol=GRAD_RTOL, atol=GRAD_ATOL):
+    assert a.keys() == b.keys(), (what, sorted(set(a) ^ set(b))[:5])
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------
+# (1) On-policy first update
+# ----------------------------------------------------------------------------------------------
+
+def test_first_update_is_on_policy(toy, samples, monkeypatch):
+    """Old log-probs from compute_log_probs, then update with one epoch: ratio exactly 1 on every token of
+    the first mini-batch, clip fractions and ppo_kl exactly 0. With two mini-batches the second one is
+    off-policy (the weights moved), which the same check sees."""
+    spy = Spy(monkeypatch)
+    cfg = make_cfg(toy["vl_model"], dynamic_batching=True, max_tokens_per_micro_batch=60)
+    actor = make_actor(cfg)
+    fresh = [dict(s) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s["old_logprobs"] = logp
+    metrics = actor.update(fresh)
+    assert len(spy.log_ratio_max) >= 2, "expected several micro-batches under a 60-token budget"
+    assert spy.log_ratio_max == [0.0] * len(spy.log_ratio_max)
+    assert metrics["actor/ppo_kl"] == 0.0
+    assert metrics["actor/pg_clipfrac_higher"] == 0.0 and metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
+
+    spy.log_ratio_max.clear()
+    actor = make_actor(make_cfg(toy["vl_model"], global_batch_size=1, micro_batch_size_per_device_for_update=1))
+    fresh = [dict(s) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s["old_logprobs"] = logp
+    metrics = actor.update(fresh)  # 2 mini-batches of 2 samples, 1 sample per micro-batch
+    assert spy.log_ratio_max[:2] == [0.0, 0.0]
+    assert min(spy.log_ratio_max[2:]) > 1e-5, spy.log_ratio_max
+    assert metrics["actor/ppo_kl"] != 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# (2) Micro-batching and ranks do not change the update
+# ----------------------------------------------------------------------------------------------
+
+def one_step(model_path, samples, **overrides):
+    """-> (gradient applied at the first optimizer step, parameters after it, metrics) for one update."""
+    spy = Spy()
+    actor = spy.watch(make_actor(make_cfg(model_path, **overrides)))
+    metrics = actor.update([dict(s) for s in samples])
+    return spy.grads[0], params_of(actor), metrics
+
+
+@pytest.mark.parametrize("mode", ["token", "seq", "seq_sum_norm"])
+def test_micro_batch_split_gives_same_update(toy, samples, mode, monkeypatch):
+    """4 samples in 1, 2 or 4 micro-batches: the same gradient (to fp32 summation order) and the same weights
+    after the step, for each loss_avg_mode. The gradients of the modes differ from each other."""
+    spy = Spy(monkeypatch)
+    results = {}
+    for per_micro in (4, 2, 1):
+        spy.log_ratio_max.clear()
+        results[per_micro] = one_step(toy["vl_model"], samples, loss_avg_mode=mode,
+                                      micro_batch_size_per_device_for_update=per_micro)
+        assert len(spy.log_ratio_max) == 4 // per_micro  # the split really happened
+    grad, params, metrics = results[4]
+    assert max(g.abs().max().item() for g in grad.values()) > 1e-4
+    for per_micro in (2, 1):
+        assert_same_tensors(results[per_micro][0], grad, f"{mode}: gradient, {4 // per_micro} micro-batches vs 1")
+        assert_same_tensors(results[per_micro][1], params, f"{mode}: weights, {4 // per_micro} micro-batches vs 1",
+                            rtol=0, atol=WEIGHT_ATOL)
+        assert math.isclose(results[per_micro][2]["actor/grad_norm"], metrics["actor/grad_norm"], rel_tol=1e-4)
+    if mode != "token":  # the modes weigh tokens differently: a check that the mode reached the loss
+        token_grad = one_step(toy["vl_model"], samples, loss_avg_mode="token")[0]
+        name = "lm_head.weight" if "lm_head.weight" in grad else next(iter(grad))
+        assert (token_grad[name] - grad[name]).abs().max() > 1e-3 * grad[name].abs().max()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, model_path, samples_path, out_path):
+    """One gloo rank: its half of the samples, one update per loss_avg_mode; rank 0 saves the results."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        samples = torch.load(samples_path, weights_only=False)
+        mine = samples[rank * 2:(rank + 1) * 2]  # rank 0: the image prompt's 2 responses, rank 1: the text prompt's
+        results = {}
+        for mode in ("token", "seq", "seq_sum_norm"):
+            results[mode] = one_step(model_path, mine, loss_avg_mode=mode, micro_batch_size_per_device_for_update=1)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process(toy, samples, tmp_path):
+    """2 ranks x 2 micro-batches of 1 sample vs 1 process x 1 micro-batch of 4: the same gradient and the
+    same weights after the step, for each loss_avg_mode (FSDP2 shards, world-size scaling, global counts)."""
+    import multiprocessing
+
+    torch.save([dict(s) for s in samples], tmp_path / "samples.pt")
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, toy["vl_model"], str(tmp_path / "samples.pt"),
+                                                   str(tmp_path / "out.pt"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 300
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.time()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+        p.join(5)
+    assert not alive, "the 2-rank update did not finish within 300 s (a collective hung?)"
+    assert [p.exitcode for p in procs] == [0, 0], f"rank exit codes {[p.exitcode for p in procs]}"
+    distributed = torch.load(tmp_path / "out.pt", weights_only=False)
+    for mode in ("token", "seq", "seq_sum_norm"):
+        grad, params, metrics = one_step(toy["vl_model"], samples, loss_avg_mode=mode)
+        assert_same_tensors(distributed[mode][0], grad, f"{mode}: gradient, 2 ranks vs 1 process")
+        assert_same_tensors(distributed[mode][1], params, f"{mode}: weights, 2 ranks vs 1 process", rtol=0, atol=WEIGHT_ATOL)
+        assert math.isclose(distributed[mode][2]["actor/grad_norm"], metrics["actor/grad_norm"], rel_tol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# (3) A non-finite gradient skips the step
+# ----------------------------------------------------------------------------------------------
+
+def test_nan_gradient_skips_the_step(toy, samples):
+    actor = make_actor(make_cfg(toy["vl_model"], global_batch_size=1))  # 2 mini-batches -> 2 optimizer steps
+    before = params_of(actor)
+    victim = dict(actor.module.named_parameters())["model.language_model.layers.0.mlp.up_proj.weight"]
+    handle = victim.register_hook(lambda g: g * float("nan"))
+    metrics = actor.update([dict(s) for s in samples])
+    handle.remove()
+    assert metrics["actor/skipped_steps"] == 2.0
+    assert_same_tensors(params_of(actor), before, "weights after skipped steps", rtol=0, atol=0)
+    assert all(p.grad is None for p in actor.module.parameters()), "gradients left behind after a skipped step"
+    # The same actor then steps normally: the skip left nothing behind that blocks learning.
+    metrics = actor.update([dict(s) for s in samples])
+    assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
+    after = params_of(actor)
+    assert any(not torch.equal(after[n], before[n]) for n in before)
+
+
+# ----------------------------------------------------------------------------------------------
+# (4) Every trainable parameter learns
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_two_steps_change_every_trainable_parameter(toy, samples, freeze_vision):
+    """Weight decay 0, so a parameter changes only through its gradient. Two optimizer steps (2 mini-batches:
+    the image prompt's, then the text prompt's) change every trainable tensor, the vision tower included;
+    with freeze_vision_tower the tower is untouched and not trainable."""
+    actor = make_actor(make_cfg(toy["vl_model"], global_batch_size=1, **{"model.freeze_vision_tower": freeze_vision}))
+    trainable = {n for n, p in actor.module.named_parameters() if p.requires_grad}
+    vision = {n for n, _ in actor.module.named_parameters() if ".visual." in f".{n}"}
+    assert vision and (trainable.isdisjoint(vision) if freeze_vision else vision <= trainable)
+    before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+    metrics = actor.update([dict(s) for s in samples])
+    assert metrics["actor/skipped_steps"] == 0.0 and actor.optimizer_steps == 2
+    after = dict(actor.module.named_parameters())
+    unchanged = sorted(n for n in trainable if torch.equal(after[n].detach(), before[n]))
+    assert not unchanged, f"trainable parameters not changed by two steps: {unchanged}"
+    frozen_changed = sorted(n for n in set(before) - trainable if not torch.equal(after[n].detach(), before[n]))
+    assert not frozen_changed, f"frozen parameters changed: {frozen_changed}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The KL term and TIS reach the loss (metrics against numbers worked out by hand)
+# ----------------------------------------------------------------------------------------------
+
+def test_kl_term_and_tis_reach_the_update(toy, samples):
+    """On policy, with ref = old - 0.3 and rollout = old + 0.5 on every token and tis_cap 2: each token has
+    d = 0.3, so actor/kl_loss = k3(0.3) = e^-0.3 + 0.3 - 1; the TIS weight is e^-0.5 on every token; the
+    per-token loss is -A e^-0.5, so actor/pg_loss = -e^-0.5 sum_i A_i |o_i| / sum_i |o_i| (token mean)."""
+    actor = actor_module.Actor(make_cfg(toy["vl_model"], tis_cap=2.0), role="actor", temperature=1.0, device="cpu",
+                               max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE, n_per_prompt=2,
+                               training_steps=4, use_kl_loss=True, kl_coef=0.1, kl_penalty="low_var_kl")
+    fresh = [dict(s) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s.update(old_logprobs=logp, ref_logprobs=logp - 0.3, rollout_logprobs=logp + 0.5)
+    metrics = actor.update(fresh)
+    lengths = [len(s["response_ids"]) for s in fresh]
+    advantage_tokens = sum(s["advantage"] * n for s, n in zip(fresh, lengths))
+    assert math.isclose(metrics["actor/kl_loss"], math.exp(-0.3) + 0.3 - 1.0, rel_tol=1e-5)
+    assert math.isclose(metrics["actor/tis_weight"], math.exp(-0.5), rel_tol=1e-5)
+    assert metrics["actor/tis_capfrac"] == 0.0
+    assert math.isclose(metrics["actor/rollout_logp_abs_diff"], 0.5, rel_tol=1e-5)
+    assert math.isclose(metrics["actor/pg_loss"], -math.exp(-0.5) * advantage_tokens / sum(lengths), rel_tol=1e-5)
+    assert metrics["actor/tokens"] == sum(lengths) and metrics["actor/entropy"] > 0.0
+
+
+def test_kl_gradient_enters_with_kl_coef(toy, samples):
+    """grad(pg + 0.1 KL) - grad(pg) = 0.1 grad(KL alone, advantages 0): the coefficient scales a real KL gradient."""
+    def grad_with(kl_coef, advantage_scale):
+        spy = Spy()
+        actor = spy.watch(actor_module.Actor(
+            make_cfg(toy["vl_model"]), role="actor", temperature=1.0, device="cpu", max_prompt_length=MAX_PROMPT,
+            max_response_length=MAX_RESPONSE, n_per_prompt=2, training_steps=4, use_kl_loss=True, kl_coef=kl_coef,
+            kl_penalty="mse"))
+        fresh = [dict(s, advantage=s["advantage"] * advantage_scale,
+                      ref_logprobs=s["old_logprobs"] - torch.linspace(-0.5, 0.5, len(s["response_ids"])))
+                 for s in samples]
+        actor.update(fresh)
+        return spy.grads[0]
+
+    both, pg_only, kl_only = grad_with(0.1, 1.0), grad_with(0.0, 1.0), grad_with(1.0, 0.0)
+    assert max(g.abs().max().item() for g in kl_only.values()) > 1e-4
+    assert_same_tensors({n: both[n] - pg_only[n] for n in both}, {n: 0.1 * g for n, g in kl_only.items()},
+                        "KL gradient", rtol=1e-3, atol=1e-7)
