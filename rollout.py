@@ -1,1 +1,438 @@
-"""rollout.py: not built yet (see the open issue for this stage)."""
+"""rollout.py: n sampled responses per prompt, from one of two engines behind one interface.
+
+    engine = make_rollout(cfg.worker.rollout, model_path, max_prompt_length=..., max_response_length=...,
+                          device="cuda")                       # cfg.name picks ENGINES["hf" | "vllm"]
+    engine.load_weights(actor.named_tensors())                 # after every update (HF names, one at a time)
+    engine.wake_up()
+    seed = derive_seed(cfg.seed, step, dp_rank)                # reproducible, never the same stream twice
+    responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=max_response_length, seed=seed)
+    engine.sleep()                                             # give the memory back to the actor
+
+Config attributes read (RolloutConfig in trainer.py, documented in configs/geo3k.yaml): name, n, temperature,
+top_p, top_k, dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization, enforce_eager,
+enable_chunked_prefill, tensor_parallel_size, max_model_len, max_num_batched_tokens, disable_log_stats,
+disable_tqdm. Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps
+decoding past EOS (throughput runs); the response is still cut after its first EOS, as EasyR1's mask does.
+
+Prompt keys read (made by data.py): uid; hf: prompt_ids (image placeholders expanded), multi_modal_inputs
+(pixel_values, image_grid_thw, ... concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text;
+optional for text-only prompts); vllm: raw_prompt_ids (one placeholder per image), images.
+
+Each response is a dict:
+    prompt_index:   int         index into the prompts given to generate()
+    uid:            str         that prompt's uid
+    response_ids:   list[int]   up to AND including the first EOS of the generation config's EOS list
+    logprobs:       list[float] log-prob of each sampled token under the distribution it was sampled from
+                                (after the placeholder ban, temperature, top-k and top-p), same length
+    finish_reason:  "stop" | "length"   (length = no EOS within max_tokens: truncated)
+generate(prompts, n) returns len(prompts) * n of them, grouped: prompt i owns positions i*n .. i*n+n-1.
+
+Both engines hold their OWN full copy of the weights. Generation never runs on the FSDP-sharded training
+module: ranks decode different numbers of steps, and a sharded forward would deadlock in its all-gathers.
+
+Differences from EasyR1 (and why):
+- Seeds: every response draws from its own stream seeded by derive_seed(seed, prompt, sample), where the
+  caller's seed already mixes (config seed, step, data-parallel rank). EasyR1 put one fixed seed into
+  SamplingParams, so the i-th sample of every prompt in every step reused the same random stream.
+- Both the image AND the video placeholder are banned (EasyR1 left the video one as a TODO); a sampled
+  placeholder breaks the actor's forward ("image features and image tokens do not match").
+- The rollout log-probs are returned (vLLM logprobs_mode="processed_logprobs"), so the trainer can log
+  |logp_rollout - logp_actor| and catch a broken weight sync; EasyR1 never asked vLLM for them.
+- Responses are ragged lists cut after the first EOS, not right-padded tensors with a mask.
+- n samples are n requests (each with its own seed), not SamplingParams(n=...): no dependence on how a vLLM
+  version seeds child requests, and the hf engine uses the same seeds.
+- After every rollout vLLM's prefix cache and multimodal encoder cache are reset: both hold results of the
+  old weights, and a repeated image (validation!) would otherwise reuse stale vision embeddings.
+- LoRA is synced as merged weights (the actor's named_tensors() merges); no adapter-from-tensors hijack.
+- A transformers engine exists for CPU, tests and small models; the vLLM engine refuses to generate
+  before its first weight sync (load_format="dummy" means random weights until then).
+"""
+
+import hashlib
+import inspect
+import warnings
+
+import torch
+
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
+MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, dtype=None,
+                 tokenizer_path=None, batch_size=64):
+    """The engine named by cfg.name. dtype (default cfg.dtype): bf16 | fp16 | fp32; use fp32 for hf on CPU.
+    tokenizer_path: where the generation config / tokenizer live if not in model_path. batch_size: hf only,
+    sequences decoded together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
+    if cfg.name not in ENGINES:
+        raise ValueError(f"worker.rollout.name={cfg.name!r} is not one of {sorted(ENGINES)}")
+    return ENGINES[cfg.name](cfg, model_path, max_prompt_length=max_prompt_length, device=device,
+                             max_response_length=max_response_length, dtype=dtype or cfg.dtype,
+                             tokenizer_path=tokenizer_path or model_path, batch_size=batch_size)
+
+
+def sampling_settings(cfg, override=None):
+    """{n, temperature, top_p, top_k} from the config, replaced by `override` (e.g. val_override_config)."""
+    settings = {key: getattr(cfg, key) for key in SAMPLING_KEYS}
+    unknown = sorted(set(override or {}) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"worker.rollout.val_override_config: unknown key(s) {unknown}; allowed {list(SAMPLING_KEYS)}")
+    settings.update(override or {})
+    return settings
+
+
+def derive_seed(*parts):
+    """A 62-bit seed from any ints/strings, stable across processes and Python versions (unlike hash()).
+    The trainer calls derive_seed(cfg.seed, step, dp_rank); the engines derive_seed(seed, prompt, sample)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformers engine: a KV-cache sampling loop over left-padded batches.
+# ----------------------------------------------------------------------------------------------
+
+class HFRollout:
+    """Its own unsharded copy of the model (AutoModelForImageTextToText when the config has a vision_config,
+    else AutoModelForCausalLM), refreshed in place by load_weights(). Prompts are left-padded; positions come
+    from the prompt (data.py's mrope rows for Qwen-VL) and continue at last_prompt_position + 1, + 2, ... on
+    every row, exactly as the actor extends them, so batched and one-by-one generation agree."""
+
+    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, dtype,
+                 tokenizer_path, batch_size=64):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
+
+        config = AutoConfig.from_pretrained(model_path)
+        self.is_vl = getattr(config, "vision_config", None) is not None
+        model_class = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
+        self.model = model_class.from_pretrained(model_path, dtype=_torch_dtype(dtype)).to(device).eval()
+        self.model.requires_grad_(False)
+        self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path)
+        self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
+        self.ignore_eos = cfg.ignore_eos
+        self.position_rows = 4 if self.is_vl else 1  # text row + 3 mrope rows for Qwen-VL
+        self.new_cache = lambda: DynamicCache(config=config.get_text_config())
+        # transformers renamed the forward's `past_key_values` to `cache` during 5.x; accept either.
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
+        """len(prompts) * n responses, grouped by prompt. With top_p < 1 or 0 < top_k < vocab the log-probs are
+        those of the TRUNCATED distribution actually sampled from (what vLLM's processed_logprobs returns),
+        which the actor's full softmax does not represent: keep top_p=1, top_k=-1 for training rollouts."""
+        max_tokens = max_tokens or self.max_response_length
+        _check_sampling(prompts, n, temperature, top_p, max_tokens, key="prompt_ids")
+        self.wake_up()
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]  # grouped: prompt i, sample j
+        responses = []
+        for start in range(0, len(rows), self.batch_size):
+            responses += self._generate_batch(prompts, rows[start:start + self.batch_size],
+                                              temperature, top_p, top_k, max_tokens, seed)
+        return responses
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts, rows, temperature, top_p, top_k, max_tokens, seed):
+        dev, B = self.device, len(rows)
+        P = max(len(prompts[i]["prompt_ids"]) for i, _ in rows)
+        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)    # [B, P] left-padded
+        mask = torch.zeros((B, P), dtype=torch.long, device=dev)                     # [B, P] 1 = real token
+        positions = torch.zeros((self.position_rows, B, P), dtype=torch.long, device=dev)  # [R, B, P]
+        for b, (i, _) in enumerate(rows):
+            ids = prompts[i]["prompt_ids"]
+            input_ids[b, P - len(ids):] = torch.as_tensor(ids, device=dev)
+            mask[b, P - len(ids):] = 1
+            positions[:, b, P - len(ids):] = self._prompt_positions(prompts[i], i)
+        # Per-image tensors concatenated in row order: the placeholders are filled in that order.
+        mm = {}
+        for i, _ in rows:
+            for key, value in (prompts[i].get("multi_modal_inputs") or {}).items():
+                if key in MM_KEYS:
+                    mm.setdefault(key, []).append(value)
+        mm = {key: torch.cat(values).to(dev) for key, values in mm.items()}
+        generators = [torch.Generator(device=dev).manual_seed(derive_seed(seed, i, j)) for i, j in rows]
+        cache = self.new_cache()
+        logits = self._forward(input_ids, mask, positions, cache, mm)                # [B, vocab]
+        next_positions = positions[:, :, -1:] + 1                                    # [R, B, 1]
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        eos = torch.tensor(self.eos_ids, device=dev)
+        tokens, logprobs = [], []
+        for step in range(max_tokens):
+            token, logprob = _sample_next(logits, self.banned_ids, temperature, top_p, top_k, generators)  # [B], [B]
+            tokens.append(token)
+            logprobs.append(logprob)
+            if not self.ignore_eos:
+                alive &= ~torch.isin(token, eos)
+            if step + 1 == max_tokens or not alive.any():
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)                     # [B, P + step + 1]
+            logits = self._forward(token[:, None], mask, next_positions, cache, {})
+            next_positions = next_positions + 1
+        tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, T]
+        return [_response(i, prompts[i]["uid"], tokens[b], logprobs[b], self.eos_ids) for b, (i, _) in enumerate(rows)]
+
+    def _forward(self, input_ids, mask, positions, cache, mm):
+        """Last-position logits in fp32 [B, vocab]; `cache` grows in place."""
+        position_ids = positions[0] if self.position_rows == 1 else positions       # [B, L] or [4, B, L]
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=1, **{self.cache_kwarg: cache}, **mm)
+        return out.logits[:, -1].float()
+
+    def _prompt_positions(self, prompt, index):
+        """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
+        length = len(prompt["prompt_ids"])
+        positions = prompt.get("position_ids")
+        if positions is None:
+            if prompt.get("multi_modal_inputs"):
+                raise ValueError(f"prompt {index} (uid {prompt.get('uid')}) has images but no position_ids: "
+                                 f"the hf rollout needs data.py's mrope position_ids [4, P] for image prompts")
+            positions = torch.arange(length)[None]
+        positions = torch.as_tensor(positions)
+        if positions.shape[0] == 1:
+            positions = positions.expand(self.position_rows, -1)
+        if positions.shape != (self.position_rows, length):
+            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids has shape "
+                             f"{tuple(positions.shape)}, expected ({self.position_rows}, {length}) or (1, {length})")
+        return positions
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors):
+        """Copy (name, tensor) pairs into the model in place; names are the HF model's own state_dict names.
+        Returns how many were loaded. Unknown names or wrong shapes raise, naming them."""
+        params = self.model.state_dict()  # name -> tensor sharing storage with the model (as of now)
+        unknown, loaded = [], 0
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            if target.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the rollout model "
+                                 f"expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded += 1
+        if unknown:
+            raise KeyError(f"load_weights: {len(unknown)} name(s) unknown to the rollout model "
+                           f"{type(self.model).__name__}: {unknown[:8]}; expected e.g. {list(params)[:3]}. "
+                           f"Send the HF model's own state_dict names (LoRA: merged weights, no peft prefixes).")
+        return loaded
+
+    def sleep(self):
+        """Move the weights to the CPU so the actor can use the GPU (nothing to do on a CPU run)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self):
+        self.model.to(self.device)
+
+
+def _sample_next(logits, banned_ids, temperature, top_p, top_k, generators):
+    """One token per row from logits [B, vocab] (modified in place), and its log-prob.
+
+        z = logits with z[banned] = -inf;    greedy (temperature 0): token = argmax z, logp = log_softmax(z)
+        otherwise: z = z / temperature; top-k keeps the k largest; top-p keeps the most likely tokens whose
+        preceding mass is < top_p; logp = log_softmax(z) (the truncated distribution); token ~ exp(logp)
+        by the exponential race  token = argmax_v p_v / E_v,  E_v ~ Exp(1) drawn with the row's own
+        generator: a row's draw does not depend on its batch, and unlike torch.multinomial per row it
+        needs no host sync (1.5x the decode speed at batch 64 on a GPU).
+    """
+    logits[:, banned_ids] = float("-inf")
+    if temperature == 0:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(1, token[:, None])[:, 0]
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]                              # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = probs.cumsum(-1) - probs >= top_p                              # mass before each token
+        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    logp = logits.log_softmax(-1)                                                    # [B, vocab]
+    race = torch.stack([torch.empty_like(logp[0]).exponential_(generator=g) for g in generators])  # [B, vocab]
+    token = (logp.exp() / race).argmax(-1)
+    return token, logp.gather(1, token[:, None])[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The vLLM engine: in-process SPMD (external_launcher), one engine per TP group, colocated with the actor.
+# ----------------------------------------------------------------------------------------------
+
+class VLLMRollout:
+    """vLLM >= 0.11 in this process, weights synced from the actor (load_format="dummy": random until then).
+
+    Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation. A step runs
+    load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
+    Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests. Each rank passes its
+    own prompts; generate() all-gathers them over the TP group, generates once, and returns this rank's
+    share, with the group's first rank's seed. LoRA: sync merged weights (the supported path).
+    Needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) that the trainer's
+    workers have; checked on vLLM 0.24.0.
+    """
+
+    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, dtype,
+                 tokenizer_path, batch_size=None):
+        try:
+            import vllm
+        except ImportError as error:
+            raise ImportError("worker.rollout.name=vllm needs vLLM >= 0.11: pip install -r requirements-gpu.txt "
+                              "(or set worker.rollout.name=hf)") from error
+        from transformers import AutoConfig
+
+        self.cfg, self.max_response_length = cfg, max_response_length
+        self.eos_ids, self.banned_ids, _ = _special_ids(AutoConfig.from_pretrained(model_path), tokenizer_path)
+        self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
+        extra = {"limit_mm_per_prompt": {"image": cfg.limit_images}} if cfg.limit_images > 0 else {}
+        self.llm = vllm.LLM(
+            model=model_path, tokenizer=tokenizer_path, load_format="dummy",
+            dtype=str(_torch_dtype(dtype)).removeprefix("torch."),
+            distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len or max_prompt_length + max_response_length,
+            seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
+            logprobs_mode="processed_logprobs", **extra)  # log-probs after bias, temperature, top-k/p
+        self.llm.sleep(level=1)
+        self.asleep, self.synced = {"weights", "kv_cache"}, False
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
+        """As HFRollout.generate. The log-probs are vLLM's processed_logprobs (after the placeholder bias of
+        -100, temperature, top-k and top-p); -100 rather than -inf, as vLLM's logit_bias is additive."""
+        if not self.synced:
+            raise RuntimeError("the vLLM rollout holds random weights (load_format='dummy'): call "
+                               "load_weights(actor.named_tensors()) before the first generate()")
+        max_tokens = max_tokens or self.max_response_length
+        _check_sampling(prompts, n, temperature, top_p, max_tokens, key="raw_prompt_ids")
+        self.wake_up()
+        mine = [{"raw_prompt_ids": list(p["raw_prompt_ids"]), "images": list(p.get("images") or []),
+                 "uid": p["uid"]} for p in prompts]
+        group, offset, seed = self._gather_tp_group(mine, seed)
+        requests, params = [], []
+        for i, prompt in enumerate(group):
+            for j in range(n):
+                request = {"prompt_token_ids": prompt["raw_prompt_ids"]}
+                if prompt["images"]:
+                    request["multi_modal_data"] = {"image": prompt["images"]}
+                requests.append(request)
+                params.append(self.SamplingParams(
+                    n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                    seed=derive_seed(seed, i, j), logprobs=0, detokenize=False, ignore_eos=self.cfg.ignore_eos,
+                    stop_token_ids=[] if self.cfg.ignore_eos else list(self.eos_ids), logit_bias=self.bias))
+        outputs = self.llm.generate(requests, params, use_tqdm=not self.cfg.disable_tqdm)
+        responses = []
+        for k in range(offset * n, (offset + len(prompts)) * n):  # this rank's share, in order
+            completion = outputs[k].outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
+            responses.append(_response(k // n - offset, group[k // n]["uid"], ids, logprobs, self.eos_ids))
+        return responses
+
+    def _gather_tp_group(self, prompts, seed):
+        """(the TP group's prompts, where this rank's start, the group's seed)."""
+        tp = _vllm_internals(self.llm)["tp_group"]
+        if tp is None or tp.world_size == 1:
+            return prompts, 0, seed
+        gathered = [None] * tp.world_size
+        torch.distributed.all_gather_object(gathered, (prompts, seed), group=tp.cpu_group)
+        offset = sum(len(p) for p, _ in gathered[:tp.rank_in_group])
+        return [p for part, _ in gathered for p in part], offset, gathered[0][1]
+
+    def load_weights(self, named_tensors):
+        """Stream (HF name, full tensor) pairs into vLLM's own loader (it handles TP slicing and fused qkv /
+        gate_up), waking only the weights so the KV cache is not allocated beside the actor's gathers."""
+        if "weights" in self.asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
+        # The one place HF names would be mapped to vLLM's: none is needed. For Qwen2/2.5-VL, Qwen3-VL and text
+        # LMs vLLM's own hf_to_vllm_mapper takes transformers' names (model.language_model.*, model.visual.*,
+        # lm_head.*) on vLLM >= 0.11; checked on 0.24.0 with a Qwen2.5-VL state dict. Rename here if a model needs it.
+        _vllm_internals(self.llm)["model"].load_weights(named_tensors)
+        self.synced = True
+
+    def wake_up(self):
+        if self.asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=sorted(self.asleep))
+            self.asleep = set()
+
+    def sleep(self):
+        """Reset the prefix and encoder caches (they hold results of the current weights), then sleep(level=1)."""
+        if self.asleep:
+            return
+        self.llm.reset_prefix_cache()
+        reset_encoder_cache = _vllm_internals(self.llm)["reset_encoder_cache"]
+        if reset_encoder_cache is not None:
+            reset_encoder_cache()
+        else:
+            warnings.warn("this vLLM has no reset_encoder_cache(): a repeated image may reuse vision embeddings "
+                          "of earlier weights; upgrade vLLM (checked on 0.24.0)", stacklevel=2)
+        self.llm.sleep(level=1)
+        torch.cuda.empty_cache()
+        self.asleep = {"weights", "kv_cache"}
+
+
+def _vllm_internals(llm):
+    """THE one place that reaches into vLLM's private objects. Checked on vLLM 0.24.0 (EasyR1 uses the same
+    model path since 0.8). model: the nn.Module whose load_weights() takes HF names; reset_encoder_cache: the
+    engine's own (added in early 2026; None before); tp_group: vLLM's tensor-parallel GroupCoordinator."""
+    from vllm.distributed import parallel_state
+
+    engine = llm.llm_engine
+    return {"model": engine.model_executor.driver_worker.worker.model_runner.model,
+            "reset_encoder_cache": getattr(engine, "reset_encoder_cache", None),
+            "tp_group": parallel_state.get_tp_group() if parallel_state.model_parallel_is_initialized() else None}
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------
+
+def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
+    """A response dict cut after its first EOS ("stop"); without one it is truncated ("length")."""
+    for t, token in enumerate(token_ids):
+        if token in eos_ids:
+            return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids[:t + 1]),
+                    "logprobs": list(logprobs[:t + 1]), "finish_reason": "stop"}
+    return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids),
+            "logprobs": list(logprobs), "finish_reason": "length"}
+
+
+def _special_ids(config, tokenizer_path):
+    """(EOS ids of the generation config, placeholder ids to ban, pad id)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(tokenizer_path)
+        eos, pad = generation.eos_token_id, generation.pad_token_id
+    except OSError:  # no generation_config.json: fall back to the tokenizer
+        eos = pad = None
+    if eos is None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    if not eos:
+        raise ValueError(f"no EOS token id in the generation config or tokenizer at {tokenizer_path}")
+    banned = [getattr(config, key, None) for key in ("image_token_id", "video_token_id")]
+    return eos, [t for t in banned if t is not None], eos[0] if pad is None else pad
+
+
+def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
+    if n < 1 or max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"rollout sampling settings out of range: n={n} (>= 1), max_tokens={max_tokens} (>= 1), "
+                         f"temperature={temperature} (>= 0), top_p={top_p} (in (0, 1])")
+    for i, prompt in enumerate(prompts):
+        missing = [k for k in (key, "uid") if k not in prompt]
+        if missing:
+            raise KeyError(f"prompt {i} lacks {missing} (has {sorted(prompt)}); data.py makes them")
+
+
+def _torch_dtype(name):
+    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+              "fp32": torch.float32, "float32": torch.float32}
+    if name not in dtypes:
+        raise ValueError(f"worker.rollout.dtype={name!r} is not one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+ENGINES = {"hf": HFRollout, "vllm": VLLMRollout}

@@ -1,0 +1,311 @@
+"""rollout.py on the toy models: grouping, EOS and truncation, the placeholder ban, log-probs against an
+independent forward, batched == one-by-one, seeds, weight loading, text-only models.
+
+The `engine` fixture runs every engine test with the transformers engine and, where vLLM and a GPU are
+present, again with the vLLM engine. Weights are forced through load_weights: a huge constant added to one
+embedding dimension makes the final normed hidden state ~ sqrt(hidden) * e_0 at every position, so the logit
+of token t is ~ 8 * lm_head[t, 0]: setting that column picks which tokens the model prefers.
+"""
+
+import importlib.util
+import os
+import random
+import types
+
+import pytest
+import torch
+
+import rollout
+
+torch.set_num_threads(1)
+IM_END, ENDOFTEXT, IMAGE_PAD, VIDEO_PAD = 2, 0, 5, 6  # toy tokenizer ids (checked in the fixture)
+HF_TOL, VLLM_TOL = 1e-4, 2e-3  # |logp_rollout - logp_reference|: fp32 CPU transformers; fp32 vLLM kernels
+
+
+def config(**changes):
+    cfg = dict(name="hf", n=2, temperature=1.0, top_p=1.0, top_k=-1, seed=1, limit_images=1, dtype="fp32",
+               ignore_eos=False, gpu_memory_utilization=0.3, enforce_eager=True, enable_chunked_prefill=False,
+               tensor_parallel_size=1, max_model_len=None, max_num_batched_tokens=4096, disable_log_stats=True,
+               disable_tqdm=True, val_override_config={"temperature": 0.6, "top_p": 0.95, "n": 1})
+    cfg.update(changes)
+    return types.SimpleNamespace(**cfg)
+
+
+@pytest.fixture(scope="module")
+def world(toy):
+    """The toy VL model as an independent reference (plain transformers), its processor and three prompts."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import toy as toy_world
+
+    processor = AutoProcessor.from_pretrained(toy["vl_model"])
+    tok = processor.tokenizer
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|image_pad|>", "<|video_pad|>")] \
+        == [IM_END, ENDOFTEXT, IMAGE_PAD, VIDEO_PAD]
+    reference = AutoModelForImageTextToText.from_pretrained(toy["vl_model"], dtype=torch.float32).eval()
+    images = [toy_world.color_image(color, random.Random(0)) for color in ("red", "blue")]  # 56 x 56 -> 4 tokens
+    prompts = [make_prompt(processor, reference, "What colour is the square?", images[0], "a"),
+               make_prompt(processor, reference, "What is 3 + 4?", None, "b"),
+               make_prompt(processor, reference, "Answer: what colour is the shape of the square?", images[1], "c")]
+    assert len({len(p["prompt_ids"]) for p in prompts}) == 3  # different lengths: left padding is exercised
+    base = {name: t.clone() for name, t in reference.state_dict().items()}
+    return types.SimpleNamespace(processor=processor, reference=reference, prompts=prompts, base=base)
+
+
+def make_prompt(processor, model, question, image, uid):
+    """A prompt dict as data.py makes it, by hand: expanded and raw ids, pixels, [4, P] positions."""
+    content = ([{"type": "image"}] if image else []) + [{"type": "text", "text": question}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    enc = processor(text=[text], images=[image] if image else None, return_tensors="pt")
+    ids = enc["input_ids"]
+    P = ids.shape[1]
+    if image:
+        mrope, _ = model.model.get_rope_index(ids, mm_token_type_ids=enc["mm_token_type_ids"],
+                                              image_grid_thw=enc["image_grid_thw"])
+        mrope = mrope[:, 0]
+    else:
+        mrope = torch.arange(P).expand(3, P)
+    return {"uid": uid, "prompt_ids": ids[0].tolist(), "raw_prompt_ids": processor.tokenizer(text)["input_ids"],
+            "images": [image] if image else [],
+            "multi_modal_inputs": {k: enc[k] for k in ("pixel_values", "image_grid_thw") if image},
+            "position_ids": torch.cat([torch.arange(P)[None], mrope])}
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def engine(request, toy, world):
+    if request.param == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (GPU extra: requirements-gpu.txt)")
+        if not torch.cuda.is_available():
+            pytest.skip("the vLLM engine needs a CUDA GPU")
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT="29517").items():
+            os.environ.setdefault(key, value)
+    device = "cuda" if request.param == "vllm" else "cpu"
+    eng = rollout.make_rollout(config(name=request.param), toy["vl_model"], max_prompt_length=64,
+                               max_response_length=8, device=device)
+    eng.tolerance = VLLM_TOL if request.param == "vllm" else HF_TOL
+    yield eng
+    del eng
+
+
+def fresh(engine, world, prefer=None):
+    """Reload the base weights, optionally with `prefer` = {token id: lm_head weight} forcing those tokens."""
+    weights = dict(world.base)
+    if prefer:
+        emb, head = weights["model.language_model.embed_tokens.weight"].clone(), weights["lm_head.weight"].clone()
+        emb[:, 0] += 1000.0
+        head[:, 0] = 0.0
+        for token, w in prefer.items():
+            head[token, 0] = w
+        weights.update({"model.language_model.embed_tokens.weight": emb, "lm_head.weight": head})
+    engine.load_weights(iter(weights.items()))
+    engine.wake_up()
+
+
+def reference_logprobs(model, prompt, response_ids, temperature, top_k=-1, top_p=1.0,
+                       banned=(IMAGE_PAD, VIDEO_PAD)):
+    """log p(response token | prefix) from ONE plain forward of prompt + response (the model computes its
+    own mrope positions), with the ban, temperature, top-k and top-p applied as the rollout documents."""
+    ids = torch.tensor([prompt["prompt_ids"] + response_ids])
+    kwargs = dict(prompt.get("multi_modal_inputs") or {})
+    if hasattr(model.config, "vision_config"):
+        kwargs["mm_token_type_ids"] = (ids == IMAGE_PAD).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits[0].float()
+    P, T = len(prompt["prompt_ids"]), len(response_ids)
+    z = logits[P - 1:P - 1 + T].clone()                                          # [T, vocab]
+    z[:, list(banned)] = float("-inf")
+    z = z / temperature if temperature > 0 else z
+    if top_k > 0:
+        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    for row in z if top_p < 1.0 else []:  # top-p: keep the likeliest tokens until their mass reaches top_p
+        probs = row.softmax(-1).tolist()
+        mass = 0.0
+        for token in sorted(range(len(probs)), key=lambda t: -probs[t]):
+            if mass >= top_p:
+                row[token] = float("-inf")
+            mass += probs[token]
+    return z.log_softmax(-1).gather(1, torch.tensor(response_ids)[:, None])[:, 0]
+
+
+def test_n_responses_per_prompt_grouped_in_order(engine, world):
+    fresh(engine, world)
+    out = engine.generate(world.prompts, n=3, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, seed=11)
+    assert len(out) == 9
+    assert [r["prompt_index"] for r in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [r["uid"] for r in out] == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    for r in out:
+        assert set(r) == {"prompt_index", "uid", "response_ids", "logprobs", "finish_reason"}
+        assert 1 <= len(r["response_ids"]) <= 6 and len(r["logprobs"]) == len(r["response_ids"])
+        assert all(lp <= 0.0 and lp > -1e9 for lp in r["logprobs"])
+        ends_with_eos = r["response_ids"][-1] in (IM_END, ENDOFTEXT)
+        assert r["finish_reason"] == ("stop" if ends_with_eos else "length")
+        assert ends_with_eos or len(r["response_ids"]) == 6
+        assert not any(t in (IM_END, ENDOFTEXT) for t in r["response_ids"][:-1])  # nothing after the first EOS
+
+
+@pytest.mark.parametrize("eos", [IM_END, ENDOFTEXT])
+def test_stops_at_either_eos_of_the_generation_config(engine, world, eos):
+    fresh(engine, world, prefer={eos: 5.0})  # logit ~ 40 for this EOS: p ~ 1
+    out = engine.generate(world.prompts, n=2, temperature=1.0, max_tokens=8, seed=0)
+    for r in out:
+        assert r["response_ids"] == [eos] and r["finish_reason"] == "stop"
+        assert abs(r["logprobs"][0]) < 1e-3
+
+
+def test_truncated_responses_are_marked_length(engine, world):
+    red = world.processor.tokenizer.convert_tokens_to_ids("red")
+    fresh(engine, world, prefer={red: 5.0})
+    out = engine.generate(world.prompts, n=2, temperature=1.0, max_tokens=5, seed=0)
+    for r in out:
+        assert r["response_ids"] == [red] * 5 and r["finish_reason"] == "length"
+
+
+def test_mixed_eos_and_length_in_one_batch(engine, world):
+    """A word at p ~ 0.9 and an EOS at p ~ 0.1: some rows stop early while others run to max_tokens."""
+    red = world.processor.tokenizer.convert_tokens_to_ids("red")
+    fresh(engine, world, prefer={red: 5.0, ENDOFTEXT: 4.75})
+    out = engine.generate(world.prompts, n=4, temperature=1.0, max_tokens=6, seed=3)
+    reasons = {r["finish_reason"] for r in out}
+    assert reasons == {"stop", "length"}
+    for r in out:
+        expected = [red] * (len(r["response_ids"]) - 1) + ([ENDOFTEXT] if r["finish_reason"] == "stop" else [red])
+        assert r["response_ids"] == expected
+
+
+def test_placeholder_tokens_are_never_emitted(engine, world):
+    """Image and video pads are made by far the likeliest tokens; they must still never be sampled."""
+    red = world.processor.tokenizer.convert_tokens_to_ids("red")
+    fresh(engine, world, prefer={IMAGE_PAD: 10.0, VIDEO_PAD: 10.0, red: 2.0})
+    out = engine.generate(world.prompts, n=4, temperature=2.0, max_tokens=6, seed=5)
+    emitted = {t for r in out for t in r["response_ids"]}
+    assert IMAGE_PAD not in emitted and VIDEO_PAD not in emitted
+    assert red in emitted  # the next best token took over
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.0, -1, 1.0), (1.3, 5, 1.0),
+                                                     (1.0, -1, 0.3)])
+def test_logprobs_equal_an_independent_forward(engine, world, temperature, top_k, top_p):
+    """With top-k/top-p the log-probs are of the truncated distribution that was sampled from."""
+    fresh(engine, world)
+    out = engine.generate(world.prompts, n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=8,
+                          seed=7)
+    worst = 0.0
+    for r in out:
+        expected = reference_logprobs(world.reference, world.prompts[r["prompt_index"]], r["response_ids"],
+                                      temperature, top_k, top_p)
+        worst = max(worst, (torch.tensor(r["logprobs"]) - expected).abs().max().item())
+    assert worst < engine.tolerance, f"max |logp_rollout - logp_reference| = {worst}"
+
+
+def test_batched_left_padded_equals_one_by_one_greedy(engine, world):
+    fresh(engine, world)
+    settings = dict(n=1, temperature=0.0, max_tokens=8, seed=0)
+    together = engine.generate(world.prompts, **settings)
+    alone = [engine.generate([p], **settings)[0] for p in world.prompts]
+    for a, b in zip(together, alone):
+        assert a["response_ids"] == b["response_ids"]
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < engine.tolerance
+
+
+def test_same_seed_same_responses_other_seed_other_responses(engine, world):
+    fresh(engine, world)
+    step = lambda seed: engine.generate(world.prompts, n=2, temperature=1.0, max_tokens=8, seed=seed)
+    s1, s2 = rollout.derive_seed(1, 0, 0), rollout.derive_seed(1, 1, 0)  # (config seed, step, rank)
+    first, again, other = step(s1), step(s1), step(s2)
+    ids = lambda out: [r["response_ids"] for r in out]
+    assert ids(first) == ids(again)
+    assert ids(first) != ids(other)
+    # The same prompt twice in one call: its samples draw from different streams (EasyR1 reused them).
+    twice = engine.generate([world.prompts[0], world.prompts[0]], n=2, temperature=1.0, max_tokens=8, seed=s1)
+    assert ids(twice)[:2] != ids(twice)[2:]
+
+
+def test_load_weights_changes_the_output_and_rejects_unknown_names(engine, world):
+    fresh(engine, world)
+    settings = dict(n=1, temperature=0.0, max_tokens=4, seed=0)
+    before = engine.generate(world.prompts, **settings)
+    blue = world.processor.tokenizer.convert_tokens_to_ids("blue")
+    fresh(engine, world, prefer={blue: 5.0})
+    assert all(r["response_ids"] == [blue] * 4 for r in engine.generate(world.prompts, **settings))
+    fresh(engine, world)
+    assert [r["response_ids"] for r in engine.generate(world.prompts, **settings)] == \
+        [r["response_ids"] for r in before]
+    if isinstance(engine, rollout.HFRollout):  # vLLM's own loader reports unknown names its own way
+        with pytest.raises(KeyError, match="model.language_model.no_such.weight"):
+            engine.load_weights(iter([("model.language_model.no_such.weight", torch.zeros(1))]))
+        with pytest.raises(ValueError, match="lm_head.weight"):
+            engine.load_weights(iter([("lm_head.weight", torch.zeros(3, 3))]))
+
+
+def test_sleep_and_wake_up_keep_the_weights(engine, world):
+    fresh(engine, world)
+    settings = dict(n=1, temperature=0.0, max_tokens=4, seed=0)
+    before = engine.generate(world.prompts, **settings)
+    engine.sleep()
+    engine.wake_up()
+    assert [r["response_ids"] for r in engine.generate(world.prompts, **settings)] == \
+        [r["response_ids"] for r in before]
+
+
+def test_text_only_model(toy):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy["text_model"])
+    reference = AutoModelForCausalLM.from_pretrained(toy["text_model"], dtype=torch.float32).eval()
+    engine = rollout.make_rollout(config(), toy["text_model"], max_prompt_length=32, max_response_length=6,
+                                  device="cpu")
+    texts = ["<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", "What is 1 + 2?"]
+    prompts = [{"uid": f"t{i}", "prompt_ids": tok(t)["input_ids"]} for i, t in enumerate(texts)]
+    out = engine.generate(prompts, n=2, temperature=0.8, max_tokens=6, seed=2)
+    assert [r["prompt_index"] for r in out] == [0, 0, 1, 1]
+    for r in out:
+        expected = reference_logprobs(reference, prompts[r["prompt_index"]], r["response_ids"], 0.8, banned=())
+        assert (torch.tensor(r["logprobs"]) - expected).abs().max().item() < HF_TOL
+
+
+def test_sampler_draws_from_the_processed_distribution():
+    """4000 rows of the same logits, each with its own generator: frequencies match softmax(z / T) with the
+    banned token at 0 and top-k's dropped token at 0 (3 sigma ~ 0.023 at p = 0.5)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0]]).repeat(4000, 1)
+    generators = [torch.Generator().manual_seed(i) for i in range(4000)]
+    token, logp = rollout._sample_next(logits.clone(), [4], 2.0, 1.0, 3, generators)
+    expected = torch.tensor([2.0, 1.0, 0.0]).div(2.0).softmax(-1)  # token 4 banned, token 3 cut by top-3
+    frequencies = torch.bincount(token, minlength=5).float() / 4000
+    assert (frequencies[:3] - expected).abs().max() < 0.025 and frequencies[3:].sum() == 0
+    assert torch.allclose(logp, expected.log()[token], atol=1e-6)
+
+
+def test_sampling_settings_merge_and_reject_unknown_keys():
+    cfg = config(temperature=1.0, top_p=1.0, n=5)
+    assert rollout.sampling_settings(cfg) == {"n": 5, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    assert rollout.sampling_settings(cfg, cfg.val_override_config) == \
+        {"n": 1, "temperature": 0.6, "top_p": 0.95, "top_k": -1}
+    with pytest.raises(ValueError, match="temprature"):
+        rollout.sampling_settings(cfg, {"temprature": 0.5})
+
+
+def test_derive_seed_is_stable_and_separates_its_inputs():
+    assert rollout.derive_seed(1, 2, 3) == rollout.derive_seed(1, 2, 3)
+    seeds = {rollout.derive_seed(1, step, rank) for step in range(50) for rank in range(8)}
+    assert len(seeds) == 400 and all(0 <= s < 2 ** 62 for s in seeds)
+
+
+def test_bad_inputs_fail_with_clear_errors(toy, world):
+    with pytest.raises(ValueError, match="worker.rollout.name"):
+        rollout.make_rollout(config(name="sglang"), toy["vl_model"], max_prompt_length=8, max_response_length=8,
+                             device="cpu")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="requirements-gpu.txt"):
+            rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=8, max_response_length=8,
+                                 device="cpu")
+    engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4,
+                                  device="cpu")
+    with pytest.raises(KeyError, match="prompt 0 lacks"):
+        engine.generate([{"uid": "x"}], n=1)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(world.prompts, n=1, top_p=0.0)
+    no_positions = {k: v for k, v in world.prompts[0].items() if k != "position_ids"}
+    with pytest.raises(ValueError, match="position_ids"):
+        engine.generate([no_positions], n=1)
