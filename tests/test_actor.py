@@ -1,0 +1,494 @@
+"""actor.py, the model side: packing, attention isolation, response-only log-probs, FSDP2 on gloo ranks,
+LoRA, checkpoints. The independent reference is a plain transformers forward of ONE sequence at a time
+(attn_implementation="sdpa", no packing, full logits).
+
+Tolerances (fp32 on the CPU): log-probs atol 1e-5; gradients rtol 1e-4 + atol 1e-6. Without sequence
+isolation the packed log-probs of the toy model are off by ~0.1, so these tolerances can fail.
+"""
+
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import actor  # noqa: E402
+
+TEMPERATURE = 0.7
+LOGP_ATOL = 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+
+
+def actor_config(model_path, **overrides):
+    """An object with ActorConfig's attributes (trainer.py), for the CPU: fp32 everywhere, no checkpointing."""
+    cfg = SimpleNamespace(
+        strategy="fsdp", global_batch_size=4, micro_batch_size_per_device_for_update=1,
+        micro_batch_size_per_device_for_experience=2, max_tokens_per_micro_batch=4096, max_grad_norm=1.0,
+        clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_dual=3.0, tau_positive=1.0, tau_negative=1.05,
+        loss_avg_mode="token", loss_type="default", tis_cap=None, ppo_epochs=1, padding_free=True,
+        dynamic_batching=True, ulysses_size=1, use_torch_compile=False, compute_entropy=True,
+        model=SimpleNamespace(model_path=model_path, tokenizer_path=None, override_config={},
+                              enable_gradient_checkpointing=False, trust_remote_code=False, freeze_vision_tower=False,
+                              lora=SimpleNamespace(rank=0, alpha=64, target_modules="all-linear",
+                                                   exclude_modules=".*visual.*")),
+        optim=SimpleNamespace(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.0, strategy="adamw", lr_warmup_ratio=0.0,
+                              lr_warmup_steps=None, min_lr_ratio=None, lr_scheduler_type="constant"),
+        fsdp=SimpleNamespace(enable_full_shard=True, enable_cpu_offload=False, enable_rank0_init=True,
+                             use_orig_params=False, torch_dtype="fp32", fsdp_size=-1, mp_param_dtype="fp32",
+                             mp_reduce_dtype="fp32", mp_buffer_dtype="fp32"),
+        offload=SimpleNamespace(offload_params=False, offload_optimizer=False))
+    for key, value in overrides.items():  # "a.b.c": value
+        *parents, leaf = key.split(".")
+        target = cfg
+        for part in parents:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+    return cfg
+
+
+def make_actor(model_path, **overrides):
+    return actor.Actor(actor_config(model_path, **overrides), temperature=TEMPERATURE, max_prompt_length=64,
+                       max_response_length=8, n_per_prompt=1, training_steps=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples built the way data.py + the rollout do: processor, get_rope_index, random responses
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vl(toy):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(toy["vl_model"])
+    model = AutoModelForImageTextToText.from_pretrained(toy["vl_model"], dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+    return SimpleNamespace(path=toy["vl_model"], processor=processor, model=model)
+
+
+def vl_sample(vl, image_size, response_len, seed, text="What colour is the square?"):
+    """image_size None = text only. 56x56 -> 4 image tokens (one vision window), 112x56 -> 8 (two windows)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    content = ([{"type": "image"}] if image_size else []) + [{"type": "text", "text": text}]
+    prompt = vl.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                              tokenize=False)
+    image = [Image.new("RGB", image_size, tuple(torch.randint(0, 255, (3,), generator=g).tolist()))] \
+        if image_size else None
+    enc = vl.processor(text=[prompt], images=image, return_tensors="pt")
+    ids = enc["input_ids"][0]
+    mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc}
+    mrope, _ = vl.model.model.get_rope_index(ids[None], enc["mm_token_type_ids"], mm.get("image_grid_thw"),
+                                             attention_mask=torch.ones_like(ids)[None])
+    position_ids = torch.cat([torch.arange(len(ids))[None], mrope[:, 0]])  # [4, P]: text row + t/h/w
+    response = torch.randint(10, 300, (response_len,), generator=g).tolist()
+    return {"prompt_ids": ids.tolist(), "response_ids": response, "multi_modal_inputs": mm,
+            "position_ids": position_ids, "mm_token_type_ids": enc["mm_token_type_ids"]}
+
+
+def text_sample(response_len, seed, prompt_len=9):
+    g = torch.Generator().manual_seed(seed)
+    return {"prompt_ids": torch.randint(10, 300, (prompt_len,), generator=g).tolist(),
+            "response_ids": torch.randint(10, 300, (response_len,), generator=g).tolist()}
+
+
+def token_weights(samples):
+    """Fixed per-token weights w for the test loss sum(w * logp)."""
+    return [torch.linspace(-1.0, 1.0, len(s["response_ids"])) * (i + 1) for i, s in enumerate(samples)]
+
+
+def reference_log_probs(model, sample, is_vl):
+    """Plain transformers forward of one sequence, full logits: log softmax(logits / T) at the response."""
+    ids = torch.tensor([sample["prompt_ids"] + sample["response_ids"]])
+    extra = {}
+    if is_vl:
+        response_types = torch.zeros(1, len(sample["response_ids"]), dtype=sample["mm_token_type_ids"].dtype)
+        extra = {**sample["multi_modal_inputs"],
+                 "mm_token_type_ids": torch.cat([sample["mm_token_type_ids"], response_types], 1)}
+    logits = model(input_ids=ids, **extra).logits[0].float() / TEMPERATURE  # [L, V]
+    p = len(sample["prompt_ids"])
+    return torch.log_softmax(logits[p - 1:-1], -1).gather(-1, torch.tensor(sample["response_ids"])[:, None])[:, 0]
+
+
+def packed_backward(a, samples, weights):
+    """sum(w * logp) over this rank's samples through the actor's own micro-batching, backward x world size
+    (FSDP averages gradients), so the gradient is that of the loss summed over every rank's samples."""
+    modalities = a._modalities(samples)
+    for part in a._plan(samples, "update"):
+        batch = a._pack(samples, part)
+        logp, _ = a._forward(batch, False, modalities)
+        w = torch.cat([weights[i] for i in part]) if part else torch.zeros_like(logp)
+        ((logp * w).sum() * a.world).backward()
+
+
+def full_grads(a):
+    return {n: actor.full_tensor(p.grad, torch.device("cpu")).clone() for n, p in a.hf.named_parameters()
+            if p.grad is not None}
+
+
+def assert_grads_close(got, expected):
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# No model: packing and balancing by hand
+# ----------------------------------------------------------------------------------------------
+
+def test_pack_samples_layout_by_hand():
+    s0 = {"prompt_ids": [5, 6, 7], "response_ids": [8, 9],
+          "position_ids": torch.tensor([[0, 1, 2], [0, 1, 1], [0, 0, 1], [0, 5, 6]])}
+    s1 = {"prompt_ids": [1, 2], "response_ids": [3], "position_ids": torch.tensor([[0, 1]])}
+    b = actor.pack_samples([s0, s1], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3]]
+    assert b["position_ids"].shape == (4, 1, 8)
+    assert b["position_ids"][:, 0].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 1, 2, 3, 0, 1, 2],
+                                                [0, 0, 1, 2, 3, 0, 1, 2], [0, 5, 6, 7, 8, 0, 1, 2]]
+    assert b["cu_seqlens"].tolist() == [0, 5, 8] and b["max_seqlen"] == 5
+    assert b["resp_index"].tolist() == [2, 3, 6]  # the token before each response token, per sequence
+    assert b["labels"].tolist() == [8, 9, 3]
+    assert b["resp_cu_seqlens"].tolist() == [0, 2, 3]
+    text = actor.pack_samples([{"prompt_ids": [4, 4], "response_ids": []}], is_vl=False)
+    assert text["position_ids"].tolist() == [[0, 1]] and text["resp_index"].numel() == 0
+
+
+def test_pack_samples_rejects_mismatched_image_tokens():
+    mm = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}  # 16 / 2^2 = 4 tokens
+    good = {"prompt_ids": [1, 99, 99, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm}
+    assert actor.pack_samples([good], is_vl=True, image_token_id=99, video_token_id=98, merge=2)["mm"][
+        "pixel_values"].shape == (16, 8)
+    bad = {"prompt_ids": [1, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm}
+    with pytest.raises(ValueError, match="sample 0 has 2 pixel_values placeholder"):
+        actor.pack_samples([bad], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
+
+
+def test_partition_balanced_by_hand():
+    assert actor.partition_balanced([10, 1, 9, 2, 8, 3], 2, equal_size=True) == [[0, 3, 5], [1, 2, 4]]  # 15 / 18
+    # largest first into the lightest group: 7 | 7 | 6, then 5 -> 6, 4 -> 7 (first of the ties), 1 -> 7
+    assert actor.partition_balanced([7, 7, 6, 5, 4, 1], 3) == [[0, 4], [1, 5], [2, 3]]
+    assert actor.partition_balanced([3], 3) == [[0], [], []]
+    assert actor.micro_batches_needed([100, 100, 100, 100], 200) == 2
+    assert actor.micro_batches_needed([120, 110, 100], 200) == 3  # 2 groups: 120 | 110 + 100 = 210 > 200
+    with pytest.raises(ValueError, match="equal groups"):
+        actor.partition_balanced([1, 2, 3], 2, equal_size=True)
+
+
+def test_chunked_response_head_equals_full_logits():
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 16, requires_grad=True)
+    head = torch.nn.Linear(16, 50, bias=False)
+    labels = torch.randint(0, 50, (11,))
+    logp, ent = actor.response_log_probs(hidden, head, labels, 0.7, with_entropy=True, chunk=4)
+    (logp * torch.arange(11.0)).sum().backward()
+    got = (hidden.grad.clone(), head.weight.grad.clone())
+    hidden.grad, head.weight.grad = None, None
+
+    full = torch.log_softmax(head(hidden) / 0.7, -1)  # [11, 50] at once
+    naive = full.gather(-1, labels[:, None])[:, 0]
+    (naive * torch.arange(11.0)).sum().backward()
+    torch.testing.assert_close(logp, naive, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[0], hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_lr_schedule():
+    o = SimpleNamespace(lr=1.0, lr_warmup_steps=None, lr_warmup_ratio=0.2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    lrs = [actor.lr_at(o, step, 10) for step in range(10)]
+    assert lrs[:2] == [0.5, 1.0]  # warmup of 2 steps
+    assert lrs[2] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(
+        torch.tensor(7 / 8 * torch.pi)).item()))
+
+
+def test_attention_backend_isolates_sequences():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)  # 4 query heads, 2 KV heads
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = actor.varlen_attention(q, k, v, cu, 5, causal=True)
+    for a, b in ((0, 4), (4, 9)):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1).repeat_interleave(2, 0),
+            v[a:b].transpose(0, 1).repeat_interleave(2, 0), is_causal=True).transpose(0, 1)
+        torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# One process: packed equals per-sequence, micro-batch splits, LoRA
+# ----------------------------------------------------------------------------------------------
+
+def test_packed_log_probs_and_grads_equal_per_sequence_vl_mixed(vl):
+    samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, (112, 56), 3, 2), vl_sample(vl, None, 6, 3),
+               vl_sample(vl, (56, 112), 4, 4)]
+    a = make_actor(vl.path)
+    logps, entropies = a.compute_log_probs(samples, with_entropy=True)
+    weights = token_weights(samples)
+    packed_backward(a, samples, weights)
+    vl.model.zero_grad()
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(vl.model, s, is_vl=True)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    assert all(e.shape == lp.shape and (e > 0).all() for e, lp in zip(entropies, logps))
+    expected = {n: p.grad for n, p in vl.model.named_parameters() if p.grad is not None}
+    assert any(".visual." in n for n in expected)  # the vision tower is in the comparison
+    assert_grads_close(full_grads(a), expected)
+
+
+def test_packed_log_probs_and_grads_equal_per_sequence_text(toy):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy["text_model"], dtype=torch.float32, attn_implementation="sdpa")
+    samples = [text_sample(4, 1), text_sample(7, 2, prompt_len=3), text_sample(1, 3, prompt_len=12)]
+    a = make_actor(toy["text_model"])
+    logps = a.compute_log_probs(samples)
+    weights = token_weights(samples)
+    packed_backward(a, samples, weights)
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(model, s, is_vl=False)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    assert_grads_close(full_grads(a), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+
+def test_micro_batch_splits_give_the_same_gradient(vl):
+    samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, None, 6, 2), vl_sample(vl, (112, 56), 3, 3),
+               vl_sample(vl, None, 2, 4)]
+    weights = token_weights(samples)
+    longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    total = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    grads = {}
+    for ways, budget in ((1, total), (2, (total + 1) // 2 + longest), (4, longest)):
+        # the 2-way run also recomputes activations (gradient checkpointing): the same gradient again
+        a = make_actor(vl.path, max_tokens_per_micro_batch=budget, **{"model.enable_gradient_checkpointing": ways == 2})
+        assert len(a._plan(samples, "update")) == ways
+        packed_backward(a, samples, weights)
+        grads[ways] = full_grads(a)
+    assert_grads_close(grads[2], grads[1])
+    assert_grads_close(grads[4], grads[1])
+
+
+def test_text_only_micro_batch_still_runs_the_vision_tower(vl):
+    """The deadlock guard: without images, every vision parameter still gets a (zero) gradient, so FSDP's
+    reduce-scatters pair up across ranks. freeze_vision_tower takes the tower out of the optimizer."""
+    samples = [vl_sample(vl, None, 4, 1)]
+    a = make_actor(vl.path)
+    packed_backward(a, samples, token_weights(samples))
+    vision = {n: p.grad for n, p in a.hf.named_parameters() if ".visual." in f".{n}"}
+    assert vision and all(g is not None and not g.any() for g in vision.values())
+    frozen = make_actor(vl.path, **{"model.freeze_vision_tower": True})
+    optimized = {id(p) for g in frozen.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in optimized for n, p in frozen.hf.named_parameters() if "visual" in n)
+    assert any(id(p) in optimized for n, p in frozen.hf.named_parameters() if "layers" in n)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """A tiny random-init Qwen3-VL (interleaved mrope, deepstack features from vision block 0)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4, tie_word_embeddings=False)
+    path = str(tmp_path_factory.mktemp("qwen3_vl"))
+    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
+    return path, Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def test_qwen3_vl_packed_equals_per_sequence(qwen3_vl):
+    path, model = qwen3_vl
+    samples = []
+    for seed, (rows, response_len) in enumerate([(2, 4), (0, 3), (4, 5)]):  # image of 2 x 4 / none / 4 x 4 patches
+        g = torch.Generator().manual_seed(seed)
+        grid = torch.tensor([[1, rows, 4]])
+        ids = torch.randint(10, 300, (4,), generator=g).tolist() + ([3] + [5] * (rows * 4 // 4) + [4] if rows else [])
+        ids += torch.randint(10, 300, (3,), generator=g).tolist()
+        pixels = torch.randn(rows * 4, 3 * 2 * 16 * 16, generator=g)  # [patches, channels x 2 x 16 x 16]
+        mm = {"pixel_values": pixels, "image_grid_thw": grid} if rows else {}
+        types = torch.tensor([[int(t == 5) for t in ids]])
+        mrope, _ = model.model.get_rope_index(torch.tensor([ids]), types, mm.get("image_grid_thw"),
+                                              attention_mask=torch.ones(1, len(ids)))
+        response = torch.randint(10, 300, (response_len,), generator=g).tolist()
+        position_ids = torch.cat([torch.arange(len(ids))[None], mrope[:, 0]])  # [4, P]
+        samples.append({"prompt_ids": ids, "response_ids": response, "multi_modal_inputs": mm,
+                        "position_ids": position_ids, "mm_token_type_ids": types})
+    a = make_actor(path)
+    weights = token_weights(samples)
+    logps = a.compute_log_probs(samples)
+    packed_backward(a, samples, weights)
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(model, s, is_vl=True)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any("deepstack" in n for n in expected)
+    assert_grads_close(full_grads(a), expected)
+
+
+def test_adamw_bf16_follows_adamw():
+    torch.manual_seed(0)
+    p_ref, p_bf16 = torch.nn.Parameter(torch.randn(4, 5)), torch.nn.Parameter(torch.randn(4, 5))
+    p_bf16.data.copy_(p_ref.data)
+    start = p_ref.data.clone()
+    ref = torch.optim.AdamW([p_ref], lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
+    ours = actor.AdamWBF16([p_bf16], lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
+    for _ in range(3):
+        grad = torch.randn(4, 5)
+        p_ref.grad, p_bf16.grad = grad.clone(), grad.clone()
+        ref.step()
+        ours.step()
+    assert ours.state[p_bf16]["exp_avg"].dtype == torch.bfloat16
+    torch.testing.assert_close(p_bf16.data, p_ref.data, rtol=0, atol=5e-3)  # bf16 moments: ~3 significant digits
+    assert (p_ref.data - start).abs().mean() > 0.1  # the steps moved the weights 20x more than the tolerance
+
+
+def test_lora_trains_only_adapters_and_disabled_equals_base(vl):
+    samples = [vl_sample(vl, (56, 56), 4, 1), vl_sample(vl, None, 3, 2)]
+    base = make_actor(vl.path).compute_log_probs(samples)
+    a = make_actor(vl.path, **{"model.lora": SimpleNamespace(rank=4, alpha=8, target_modules="all-linear",
+                                                             exclude_modules=".*visual.*")})
+    trainable = [n for n, p in a.module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert not any("visual" in n for n in trainable) and not any("lm_head" in n for n in trainable)
+    with torch.no_grad():  # B starts at 0 (adapter = identity): move it so the adapters matter
+        for n, p in a.module.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    adapted = a.compute_log_probs(samples)
+    disabled = a.compute_log_probs(samples, disable_adapter=True)
+    assert max((x - y).abs().max() for x, y in zip(adapted, base)) > 1e-3
+    for x, y in zip(disabled, base):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    # named_tensors: merged weights under the plain model's names reproduce the adapted log-probs
+    plain = make_actor(vl.path)
+    names = dict(a.named_tensors())
+    assert names.keys() == plain.hf.state_dict().keys()
+    plain.hf.load_state_dict(names)
+    for x, y in zip(plain.compute_log_probs(samples), adapted):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Two gloo ranks (spawned processes, with a timeout): same numbers as one process, no deadlock on
+# mixed text/image micro-batches with unequal micro-batch counts, checkpoint 2 ranks -> 1 process
+# ----------------------------------------------------------------------------------------------
+
+def _two_rank_job(rank, world, tmp, path, budget, samples, weights):
+    """Log-probs and gradients with 3 samples on rank 0 (three micro-batches under the budget) and one text-only
+    sample on rank 1 (one real micro-batch + two dummies that keep FSDP's collectives paired); then an update
+    with two samples per rank, a checkpoint, and the log-probs after it."""
+    a = make_actor(path, max_tokens_per_micro_batch=budget)
+    mine = [0, 1, 2] if rank == 0 else [3]
+    local = [samples[i] for i in mine]
+    assert len(a._plan(local, "update")) == 3
+    logps = a.compute_log_probs(local)
+    packed_backward(a, local, [weights[i] for i in mine])
+    grads = full_grads(a)
+    a.optimizer.zero_grad(set_to_none=True)
+
+    local = [dict(samples[i]) for i in ([0, 1] if rank == 0 else [2, 3])]
+    for s, lp in zip(local, a.compute_log_probs(local)):
+        s.update(old_logprobs=lp, advantage=1.0 if len(s["response_ids"]) % 2 else -1.0)
+    metrics = a.update(local)
+    a.save_checkpoint(os.path.join(tmp, "ckpt"))
+    after = a.compute_log_probs(local)
+    weights_out = {n: t.cpu() for n, t in a.named_tensors()}
+
+    lora = make_actor(path, max_tokens_per_micro_batch=budget, **{"model.lora": SimpleNamespace(
+        rank=4, alpha=8, target_modules="all-linear", exclude_modules=".*visual.*")})
+    lora_logps = lora.compute_log_probs(local)  # B = 0 at the start: equal to the base model
+    lora_off = lora.compute_log_probs(local, disable_adapter=True)
+    for s, lp in zip(local, lora_logps):
+        s["old_logprobs"] = lp
+    lora.update(local)
+    lora_out = {n: t.cpu() for n, t in lora.named_tensors()}
+    torch.save({"logps": logps, "grads": grads if rank == 0 else None, "metrics": metrics, "after": after,
+                "weights": weights_out if rank == 0 else None, "lora": (lora_logps, lora_off),
+                "lora_weights": lora_out if rank == 0 else None}, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process_and_checkpoint_to_one(vl, tmp_path):
+    samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, (112, 56), 3, 2), vl_sample(vl, None, 6, 3),
+               vl_sample(vl, None, 2, 4, text="What is 3 + 4?")]
+    budget = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples) + 1  # < any two together
+    weights = token_weights(samples)
+    run_ranks(_two_rank_job, 2, str(tmp_path), vl.path, budget, samples, weights, timeout=300)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+    one = make_actor(vl.path, max_tokens_per_micro_batch=budget)
+    logps = one.compute_log_probs(samples)
+    for got, want in zip(r0["logps"] + r1["logps"], logps):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGP_ATOL)
+    packed_backward(one, samples, weights)
+    assert_grads_close(r0["grads"], full_grads(one))
+    assert r0["metrics"] == r1["metrics"] and r0["metrics"]["actor/skipped_steps"] == 0.0
+    assert r0["metrics"]["actor/ppo_kl"] == 0.0 and r0["metrics"]["actor/pg_clipfrac_higher"] == 0.0
+
+    fresh = make_actor(vl.path, max_tokens_per_micro_batch=budget)
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))
+    assert fresh.optimizer_steps == 1 and fresh.optimizer.state  # the optimizer state came back too
+    for got, want in zip(fresh.compute_log_probs(samples), r0["after"] + r1["after"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGP_ATOL)
+    assert max((x - y).abs().max() for x, y in zip(r0["after"] + r1["after"], logps)) > 1e-3  # the step changed it
+    for name, tensor in fresh.hf.state_dict().items():  # named_tensors on 2 ranks: the full weights, HF names
+        torch.testing.assert_close(r0["weights"][name], tensor, rtol=0, atol=0)
+    assert r0["weights"].keys() == fresh.hf.state_dict().keys()
+
+    base = make_actor(vl.path).hf.state_dict()  # LoRA on 2 ranks: adapters on (B = 0) = off = the base
+    for got, want in zip(r0["lora"][0] + r1["lora"][0] + r0["lora"][1] + r1["lora"][1], logps + logps):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGP_ATOL)
+    merged = r0["lora_weights"]  # after one step: adapted weights moved, the rest (vision, norms, head) did not
+    assert merged.keys() == base.keys()
+    moved = {n for n in base if not torch.equal(merged[n], base[n])}
+    assert moved and all(n.endswith("proj.weight") and "visual" not in n for n in moved)
+    assert any("lm_head" in n for n in base) and not any("lm_head" in n or "norm" in n for n in moved)
+    hf_files = os.listdir(tmp_path / "ckpt" / "huggingface")
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(hf_files)
+
+
+def run_ranks(fn, world, tmp, *args, timeout=120):
+    """Run fn(rank, world, tmp, *args) in `world` spawned processes joined by a gloo group; fail on error or timeout."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, tmp, args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    errors = [open(os.path.join(tmp, f"error{r}.txt")).read() for r in range(world)
+              if os.path.exists(os.path.join(tmp, f"error{r}.txt"))]
+    assert not errors, "\n".join(errors)
+    assert not alive, f"{len(alive)} of {world} ranks still running after {timeout} s (a collective deadlock?)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _rank_main(fn, rank, world, tmp, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
+                                world_size=world)
+        fn(rank, world, tmp, *args)
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
+            f.write(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
