@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from actor_objective import aggregate_loss, kl_penalty, policy_loss  # noqa: E402
+from actor import aggregate_loss, kl_penalty, policy_loss  # noqa: E402
 
 LOW, HIGH, DUAL = 0.2, 0.3, 3.0
 RTOL, ATOL = 1e-5, 1e-6  # the objective computes in fp32; the references are float64

@@ -66,8 +66,10 @@ def test_two_cpu_workers_run_grpo_steps_and_write_everything(tmp_path, toy):
     tracker = json.load(open(tmp_path / "checkpoint_tracker.json"))
     assert tracker["last_global_step"] == 2
     assert (tmp_path / "generations.log").read_text().count("ground_truth") >= 2
-    # The rollout engine received the actor's weights: sampled log-probs match the recomputation.
-    assert last["rollout/logp_diff_max"] < 1e-3
+    # The rollout engine received the actor's weights: sampled log-probs match the recomputation up to
+    # the placeholder ban (the engine renormalises without the 2 banned tokens: log(V / (V - 2)) ~ 0.005
+    # for a near-uniform random model). A stale or missing weight sync gives differences of order 1.
+    assert last["rollout/logp_diff_max"] < 0.02
 
 
 @pytest.mark.slow
