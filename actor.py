@@ -97,8 +97,8 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
 
 
 # ----------------------------------------------------------------------------------------------
+# The objective: per-token policy losses, their aggregation, the KL penalty
 # ----------------------------------------------------------------------------------------------
-#
 # Everything here works on flat, padding-free per-token tensors `[tokens]` holding response tokens
 # only, with `cu_seqlens [n_seq + 1]` (0, len_0, len_0 + len_1, ..., tokens) marking the sequences.
 # An empty sequence (len 0) is allowed: it has no tokens, its sequence mean counts as 0.
