@@ -237,20 +237,20 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
 TOY_COLORS = ("red", "green", "blue", "yellow")  # the toy world's colours (toy.py COLORS)
 
 
-def toy_reward(sample):
+def toy_reward(sample, format_weight=0.1):
     """The offline toy tasks (colours of a square; sums of two numbers): the answer is the first word.
 
     word     = first whitespace-separated word of the response, lowercased, punctuation stripped from its ends
     accuracy = 1 if word == the ground truth (lowercased, stripped), else 0
     format   = 1 if word is a toy answer at all (red, green, blue, yellow, or a whole number), else 0
-    overall  = 0.9 * accuracy + 0.1 * format
+    overall  = (1 - format_weight) * accuracy + format_weight * format
     The format bonus gives a random-init model a signal before it ever names the right answer.
     """
     words = sample["response"].split()
     word = words[0].lower().strip(".,;:!?\"'()[]{}") if words else ""
     accuracy = 1.0 if word and word == str(sample["ground_truth"]).strip().lower() else 0.0
     form = 1.0 if word in TOY_COLORS or word.isdigit() else 0.0
-    return {"overall": 0.9 * accuracy + 0.1 * form, "format": form, "accuracy": accuracy}
+    return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
 
 
 BUILTIN = {"math": math_reward, "r1v": r1v_reward, "dapo": dapo_reward, "toy": toy_reward}

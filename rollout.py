@@ -196,6 +196,7 @@ class HFRollout:
     def load_weights(self, named_tensors):
         """Copy (name, tensor) pairs into the model in place; names are the HF model's own state_dict names.
         Returns how many were loaded. Unknown names or wrong shapes raise, naming them."""
+        self.wake_up()  # load straight into the device copy
         params = self.model.state_dict()  # name -> tensor sharing storage with the model (as of now)
         unknown, loaded = [], 0
         for name, tensor in named_tensors:

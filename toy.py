@@ -30,7 +30,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 4
+TOY_VERSION = 5
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -95,7 +95,10 @@ def ensure_toy(root=".toy", seed=0):
 def build_tokenizer():
     """A real fast tokenizer built locally, the way Qwen's is: byte-level BPE with Qwen2's split regex
     and NFC normaliser (so transformers' `Qwen2Tokenizer` rebuilds exactly this one from the saved
-    vocabulary and merges), trained on the toy tasks' text so every task word is one token."""
+    vocabulary and merges), trained on the toy tasks' text so every task word is one token.
+
+    Unlike Qwen's, its alphabet is printable ASCII, space and newline (167 tokens in all): other
+    characters are not in the vocabulary and are dropped when encoding."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -106,9 +109,12 @@ def build_tokenizer():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     model.decoder = decoders.ByteLevel()
+    # The alphabet is the bytes of printable ASCII and newline only (not all 256 byte symbols): a
+    # small vocabulary gives a random-init model a fair chance of naming a colour at all.
+    alphabet = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level symbols of ' ' and '\n'
     trainer = trainers.BpeTrainer(
-        vocab_size=256 + len(SPECIAL_TOKENS) + 128, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=len(alphabet) + len(SPECIAL_TOKENS) + 64, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False,
     )
     model.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(

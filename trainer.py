@@ -31,7 +31,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-import ray
 import torch
 import yaml
 from tqdm import tqdm
@@ -101,7 +100,10 @@ class Run:
         bar = tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger)
         while self.step < self.training_steps:
             self.step += 1
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except RuntimeError as error:  # a worker failed or died: say where, then stop
+                raise RuntimeError(f"training stopped at step {self.step}: {error}") from None
             last = self.step == self.training_steps
             if t.val_freq > 0 and (self.step % t.val_freq == 0 or last):
                 with timer(metrics, "validation"):
@@ -166,6 +168,7 @@ class Run:
         cfg, a = self.cfg, self.cfg.algorithm
         want, n = cfg.data.rollout_batch_size, cfg.worker.rollout.n
         kept_prompts, kept_responses, kept_scores, all_scores = [], [], [], []
+        self.greedy_reward = {}  # ReMax baselines of this step's prompts
         self.workers.sync_weights()
         rounds = 0
         while len(kept_prompts) < want:
@@ -301,6 +304,12 @@ class Run:
 # Workers: one Ray actor per GPU (per process on CPU), each hosting actor + reference + rollout
 # ----------------------------------------------------------------------------------------------
 
+try:  # Ray is needed to train, not to read or check a config
+    import ray
+except ImportError:  # pragma: no cover
+    ray = None
+
+
 class Worker:
     """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
 
@@ -320,7 +329,8 @@ class Worker:
                       kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
         self.actor = actor.Actor(a, role="actor", **common)
         needs_ref = not cfg.algorithm.disable_kl
-        self.ref = actor.Actor(a, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
+        ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
+        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
         self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
                                             max_response_length=d.max_response_length, device=device,
                                             tokenizer_path=a.model.tokenizer_path)
@@ -328,8 +338,8 @@ class Worker:
         return True
 
     def sync_weights(self):
-        self.rollout.wake_up()
-        self.rollout.load_weights(self.actor.named_tensors())
+        self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
+        self.rollout.wake_up()  # then the KV cache
 
     def generate(self, prompts, sampling, step):
         if not prompts:

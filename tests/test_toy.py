@@ -41,7 +41,7 @@ def test_text_model_and_tokenizer_round_trip(toy):
     for path in (toy["text_model"], toy["vl_model"]):
         tok = AutoTokenizer.from_pretrained(path)
         for text in ["<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n", "red green\nblue yellow",
-                     "<think> x </think> \\boxed{\\frac{1}{2}} Answer: 12, héllo wörld!",
+                     "<think> x </think> \\boxed{\\frac{1}{2}} Answer: 12, hello world!",
                      "<|vision_start|><|image_pad|><|vision_end|><|video_pad|><|endoftext|>"]:
             ids = tok(text)["input_ids"]
             assert tok.decode(ids) == text
