@@ -175,7 +175,7 @@ class Run:
             rounds += 1
             if cfg.trainer.max_try_make_batch > 0 and rounds > cfg.trainer.max_try_make_batch:
                 raise RuntimeError(
-                    f"step {self.step}: online filtering kept {len(kept_prompts)} of {want} groups after "
+                    f"online filtering kept {len(kept_prompts)} of {want} groups after "
                     f"{rounds - 1} rounds (trainer.max_try_make_batch); widen algorithm.filter_low/filter_high, "
                     f"raise max_try_make_batch, or disable algorithm.online_filtering")
             prompts = next(self.train_iter)
