@@ -4,7 +4,7 @@
     python merge.py --local_dir ... --output DIR --dtype bf16 --max_shard_size 2GB --force
     python merge.py --local_dir ... --merge_lora      # LoRA run: the merged full model, not the adapter
 
-Reads (CONTRACTS.md, "Checkpoint layout"): <local_dir>/model/, the torch.distributed.checkpoint (DCP) of
+Reads what actor.Actor.save_checkpoint writes: <local_dir>/model/, the torch.distributed.checkpoint (DCP) of
 the model state dict written by any number of ranks (its .metadata names every tensor, its shape, dtype
 and pieces; for LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config,
 tokenizer, processor, chat template; adapter_config.json for LoRA), which is never modified.

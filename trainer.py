@@ -15,6 +15,17 @@ Differences from EasyR1 (and why):
   typos fail loudly (EasyR1 silently turned a missing `format_prompt` file into None).
 - Values are never copied between sections behind the reader's back: a stage that needs a value
   from another section is handed it explicitly here.
+- No single-controller RPC layer and no DataProto: plain Ray actors, `ray.get([w.method.remote(shard)])`,
+  and lists of dicts that the driver splits (balanced by tokens, per mini-batch) and joins itself.
+- Rewards are computed on the driver from decoded strings (no reward actor, no images pickled to it);
+  `timing_s/reward` is the real time spent, where EasyR1 timed only the submission of an async call.
+- Online filtering also drops groups without spread (their GRPO advantages are all 0); EasyR1 kept an
+  all-wrong but well-formatted group whose mean passed the thresholds.
+- Rollout seeds mix (seed, step, rank): a fresh, reproducible stream every step.
+- Logs are appended on resume (EasyR1 truncated them); the checkpoint tracker is written last and
+  atomically, so a crash during a save resumes from the previous checkpoint; checkpoints resume on any
+  number of workers; `save_model_only` checkpoints refuse to resume with a clear message.
+- The adaptive KL coefficient is saved and restored with the checkpoint.
 """
 
 import argparse
@@ -49,7 +60,7 @@ DEFAULT_CONFIG = os.path.join(HERE, "configs", "toy.yaml")
 # ----------------------------------------------------------------------------------------------
 
 def fit(cfg):
-    """Train: the step of DESIGN.md, then validation and checkpoints. Returns the last metrics."""
+    """Train: steps, validation every val_freq steps, checkpoints every save_freq. Returns the last metrics."""
     run = Run(cfg)
     try:
         return run.fit()
