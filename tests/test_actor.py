@@ -87,15 +87,15 @@ def vl_sample(vl, image_size, response_len, seed, text="What colour is the squar
     mrope, _ = vl.model.model.get_rope_index(ids[None], enc["mm_token_type_ids"], mm.get("image_grid_thw"),
                                              attention_mask=torch.ones_like(ids)[None])
     position_ids = torch.cat([torch.arange(len(ids))[None], mrope[:, 0]])  # [4, P]: text row + t/h/w
-    response = torch.randint(10, 300, (response_len,), generator=g).tolist()
+    response = torch.randint(10, 160, (response_len,), generator=g).tolist()
     return {"prompt_ids": ids.tolist(), "response_ids": response, "multi_modal_inputs": mm,
             "position_ids": position_ids, "mm_token_type_ids": enc["mm_token_type_ids"]}
 
 
 def text_sample(response_len, seed, prompt_len=9):
     g = torch.Generator().manual_seed(seed)
-    return {"prompt_ids": torch.randint(10, 300, (prompt_len,), generator=g).tolist(),
-            "response_ids": torch.randint(10, 300, (response_len,), generator=g).tolist()}
+    return {"prompt_ids": torch.randint(10, 160, (prompt_len,), generator=g).tolist(),
+            "response_ids": torch.randint(10, 160, (response_len,), generator=g).tolist()}
 
 
 def token_weights(samples):
