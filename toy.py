@@ -30,7 +30,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 6
+TOY_VERSION = 7
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -196,11 +196,11 @@ def _generation_config(ids):
 
 
 def color_image(color, rng):
-    """A 56 x 56 image: grey noise background and one square of `color` (40 to 56 pixels a side), randomly placed."""
+    """A 56 x 56 image: a grey background of random shade and one square of `color` (40 to 56 pixels a side)."""
     from PIL import Image
 
-    img = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE))
-    img.putdata([(g, g, g) for g in (rng.randint(90, 160) for _ in range(IMAGE_SIDE * IMAGE_SIDE))])
+    shade = rng.randint(90, 160)
+    img = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), (shade, shade, shade))
     side = rng.randint(40, 56)
     x, y = rng.randint(0, IMAGE_SIDE - side), rng.randint(0, IMAGE_SIDE - side)
     img.paste(Image.new("RGB", (side, side), COLORS[color]), (x, y))
