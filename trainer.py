@@ -221,15 +221,9 @@ class Run:
         return kept_prompts, kept_responses, kept_scores, reward_metrics
 
     def sampling(self, override=None):
-        r = self.cfg.worker.rollout
-        settings = {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                    "max_tokens": self.cfg.data.max_response_length, "seed": r.seed}
-        for key, value in (override or {}).items():
-            if key not in settings:
-                raise ConfigError(f"worker.rollout.val_override_config: unknown sampling key {key!r}; "
-                                  f"known: {sorted(settings)}")
-            settings[key] = value
-        return settings
+        """rollout's sampling settings (val_override_config applied and checked) + max_tokens and base seed."""
+        settings = rollout.sampling_settings(self.cfg.worker.rollout, override)
+        return {**settings, "max_tokens": self.cfg.data.max_response_length, "seed": self.cfg.worker.rollout.seed}
 
     def score(self, prompts, responses):
         """Decode and score every response on the driver (strings in, dicts of floats out)."""
@@ -653,6 +647,7 @@ def _remove_old_checkpoints(root, step, best_step, limit):
 
 
 def _mix_seed(seed, step, rank):
+    """The rollout seed of one step on one rank (the toy's seeded learning curve is measured with this mix)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
