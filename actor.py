@@ -26,8 +26,8 @@ Config attributes read (ActorConfig in trainer.py, documented in configs/geo3k.y
     fsdp.{enable_full_shard, enable_cpu_offload, enable_rank0_init, torch_dtype, fsdp_size, mp_param_dtype,
     mp_reduce_dtype}, offload.{offload_params, offload_optimizer}.
 
-Needs transformers >= 5.24 (its Qwen-VL forwards take precomputed `mm_encoder_outputs`; 5.17 does not and
-is refused with a clear error) and torch >= 2.6 (FSDP2).
+Needs transformers >= 5.18 (its Qwen-VL forwards take precomputed `mm_encoder_outputs`; 5.17 does not and
+is refused with a clear error; tested with 5.22.2 and 5.24.0) and torch >= 2.6 (FSDP2).
 
 Collectives: with a process group, every rank must call compute_log_probs, update, named_tensors,
 save_checkpoint and load_checkpoint together (FSDP all-gathers inside). Without one, nothing is sharded.
@@ -1014,7 +1014,7 @@ def vision_tower(hf):
 
         raise RuntimeError(f"transformers {transformers.__version__}: {type(body).__name__}.forward takes no "
                            "mm_encoder_outputs, which actor.py needs to run the vision tower in a fixed order "
-                           "(the same on every rank); install transformers>=5.24 (tested with 5.24.0)")
+                           "(the same on every rank); install transformers>=5.18 (tested with 5.22.2 and 5.24.0)")
     if tower is None:
         raise ValueError(f"{type(hf).__name__} has no vision tower at .{hf.base_model_prefix}.visual; actor.py knows "
                          "the Qwen2-VL, Qwen2.5-VL and Qwen3-VL layouts")

@@ -280,9 +280,12 @@ class VLLMRollout:
         from transformers import AutoConfig
 
         self.cfg, self.max_response_length = cfg, max_response_length
-        self.eos_ids, self.banned_ids, _ = _special_ids(AutoConfig.from_pretrained(model_path), tokenizer_path)
+        config = AutoConfig.from_pretrained(model_path)
+        self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
-        extra = {"limit_mm_per_prompt": {"image": cfg.limit_images}} if cfg.limit_images > 0 else {}
+        # No videos (data.py refuses them), so vLLM neither profiles nor reserves memory for one.
+        limits = {"video": 0} | ({"image": cfg.limit_images} if cfg.limit_images > 0 else {})
+        extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
         self.llm = vllm.LLM(
             model=model_path, tokenizer=tokenizer_path, load_format="dummy",
             dtype=str(_torch_dtype(dtype)).removeprefix("torch."),

@@ -1,6 +1,7 @@
 """The offline toy world: tiny random-init models and synthetic tasks, so everything runs with no download.
 
     python toy.py [--root .toy]      # builds (or reuses) the toy world and prints where it went
+    python toy.py --vl-3b DIR        # a random-init 3B-sized Qwen2.5-VL with the toy tokenizer (GPU timing)
 
 What it builds, deterministically from a seed, in a few seconds, cached under `root`:
 
@@ -30,7 +31,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 7
+TOY_VERSION = 8
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -92,13 +93,16 @@ def ensure_toy(root=".toy", seed=0):
     return paths
 
 
-def build_tokenizer():
+def build_tokenizer(pad_to=None):
     """A real fast tokenizer built locally, the way Qwen's is: byte-level BPE with Qwen2's split regex
     and NFC normaliser (so transformers' `Qwen2Tokenizer` rebuilds exactly this one from the saved
     vocabulary and merges), trained on the toy tasks' text so every task word is one token.
 
     Unlike Qwen's, its alphabet is printable ASCII, space and newline (167 tokens in all): other
-    characters are not in the vocabulary and are dropped when encoding."""
+    characters are not in the vocabulary and are dropped when encoding.
+
+    `pad_to`: fill the vocabulary with placeholder tokens "<t167>", "<t168>", ... up to this size. Text
+    never encodes to them (no merge makes them); ids sampled from a full-size random model decode."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -117,6 +121,10 @@ def build_tokenizer():
         initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False,
     )
     model.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    if pad_to:
+        state = json.loads(model.to_str())
+        state["model"]["vocab"].update({f"<t{i}>": i for i in range(model.get_vocab_size(), pad_to)})
+        model = Tokenizer.from_str(json.dumps(state))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=model, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token=None,
         clean_up_tokenization_spaces=False,
@@ -127,8 +135,9 @@ def build_tokenizer():
 
 
 def _tokenizer_corpus():
-    # Colour words most often, with and without a leading space, so each becomes one token first.
-    colors = [" ".join(COLORS), "\n".join(COLORS)] * 8
+    # Colour words most often, each with and without a leading space, so each becomes one token first
+    # (" red" was once two tokens, "Ġ" + "red": the policy then learned three colours and never the fourth).
+    colors = [" " + " ".join(COLORS), "\n".join(COLORS)] * 8
     words = " ".join(TASK_WORDS)
     lines = [words, "\n".join(TASK_WORDS), "What colour is the square?", "<|im_start|>assistant\n"] * 2
     lines += [f"What is {a} + {b}?" for a in range(10) for b in range(10)]
@@ -167,6 +176,48 @@ def build_vl_model(path, tokenizer, seed):
     )
     processor.save_pretrained(path)
     _generation_config(ids).save_pretrained(path)
+
+
+def build_3b_vl_model(path, seed=0, device="cpu"):
+    """A random-init Qwen2.5-VL with the shapes of Qwen2.5-VL-3B-Instruct (text: 36 layers, hidden 2048,
+    16 heads, 2 KV heads, MLP 11008, tied embeddings, vocabulary 151,936; vision: 32 blocks, hidden 1280),
+    in bf16, for timing the loop on a GPU with the toy tasks' data. Its tokenizer is the toy one, padded
+    with never-encoded placeholder tokens ("<t167>" ...) up to Qwen's vocabulary size, so sampling from the
+    full vocabulary decodes to text. About 3.8 B parameters, 7.5 GB on disk."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+
+    vocab_size = 151936
+    tokenizer = build_tokenizer(vocab_size)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+            num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+            tie_word_embeddings=True,
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(), video_processor=Qwen2VLVideoProcessor(),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    _generation_config(ids).save_pretrained(path)
+    return path
 
 
 def build_text_model(path, tokenizer, seed):
@@ -240,5 +291,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".toy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vl-3b", metavar="DIR", help="instead: build a random-init 3B-sized Qwen2.5-VL in DIR")
     args = parser.parse_args()
-    print(json.dumps(ensure_toy(args.root, args.seed), indent=2))
+    if args.vl_3b:
+        import torch
+
+        print(build_3b_vl_model(args.vl_3b, args.seed, "cuda" if torch.cuda.is_available() else "cpu"))
+    else:
+        print(json.dumps(ensure_toy(args.root, args.seed), indent=2))

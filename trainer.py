@@ -293,7 +293,14 @@ class Run:
         if not state.get("resumable", True):
             raise RuntimeError(f"{path} was saved with trainer.save_model_only=true and holds no optimizer state: "
                                f"it cannot be resumed; merge it with merge.py instead")
-        self.workers.load(os.path.join(path, "actor"))
+        print(f"resuming from {path}", flush=True)
+        try:
+            self.workers.load(os.path.join(path, "actor"))
+        except RuntimeError as e:
+            hint = (" It was found through the tracker in trainer.save_checkpoint_path: if that folder holds another "
+                    "run (a different model or config), pick a new folder or set trainer.find_last_checkpoint=false."
+                    if t.load_checkpoint_path is None else "")
+            raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=False))
         self.train_iter = iter(self.train_loader)
         self.kl_ctrl.value = state["kl_coef"]

@@ -25,47 +25,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
+import toy  # noqa: E402
 
-MODEL = "/tmp/bench_qwen25vl_3b"
+MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
 
 
 def build_model():
-    """A 3B-sized random Qwen2.5-VL folder with a byte-level tokenizer (vLLM needs one to start)."""
-    if os.path.exists(os.path.join(MODEL, "config.json")):
-        return
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    vocab = {chr(0x100 + i): i for i in range(151643)}  # placeholder symbols up to Qwen's special ids
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=chr(0x100)))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.add_special_tokens({"additional_special_tokens": specials})
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-                         tie_word_embeddings=True, eos_token_id=151645, pad_token_id=151643),
-        vision_config=dict(depth=4, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                           fullatt_block_indexes=[3]),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-        tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
-    model.save_pretrained(MODEL)
-    fast.save_pretrained(MODEL)
+    """A 3B-sized random Qwen2.5-VL folder with the toy tokenizer padded to Qwen's vocabulary (toy.py)."""
+    if not os.path.exists(os.path.join(MODEL, "config.json")):
+        toy.build_3b_vl_model(MODEL, device="cuda")
 
 
 def prompts(batch, length=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(batch):
-        ids = torch.randint(0, 150000, (length,), generator=g).tolist()
+        ids = torch.randint(200, 150000, (length,), generator=g).tolist()
         out.append({"uid": str(i), "prompt_ids": ids, "raw_prompt_ids": ids, "images": [], "multi_modal_inputs": {},
                     "position_ids": torch.arange(length)[None].expand(4, -1)})
     return out

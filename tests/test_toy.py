@@ -49,8 +49,9 @@ def test_text_model_and_tokenizer_round_trip(toy):
                     "<|video_pad|>", "<|endoftext|>"]
         for s in specials:
             assert tok(s)["input_ids"] == [tok.convert_tokens_to_ids(s)], s
-        for color in ("red", "green", "blue", "yellow"):  # task answers are single tokens
-            assert len(tok(color)["input_ids"]) == 1
+        for color in ("red", "green", "blue", "yellow"):  # task answers are single tokens, with a
+            for text in (color, " " + color):             # leading space too: no colour is harder to say
+                assert len(tok(text)["input_ids"]) == 1, repr(text)
     model = AutoModelForCausalLM.from_pretrained(toy["text_model"])
     assert type(model).__name__ == "Qwen2ForCausalLM"
     rows = pd.read_parquet(os.path.join(toy["sums"], "test.parquet"))
@@ -72,3 +73,15 @@ def test_toy_world_is_deterministic_and_cached(tmp_path):
     stamp = os.path.getmtime(os.path.join(first["vl_model"], "model.safetensors"))
     toy_world.ensure_toy(str(tmp_path / "a"), seed=3)  # cached: not rebuilt
     assert os.path.getmtime(os.path.join(first["vl_model"], "model.safetensors")) == stamp
+
+
+def test_padded_tokenizer_encodes_like_the_toy_one_and_decodes_every_id():
+    # The 3B-sized timing model's tokenizer: the toy vocabulary plus placeholders up to Qwen's size.
+    import toy as toy_world
+
+    small, padded = toy_world.build_tokenizer(), toy_world.build_tokenizer(pad_to=151936)
+    assert len(small) == 167 and len(padded) == 151936
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is the square?<|im_end|>\n red"
+    assert padded(text)["input_ids"] == small(text)["input_ids"]
+    assert padded.decode([167, 151935]) == "<t167><t151935>"
+    assert padded.convert_tokens_to_ids("<|im_end|>") == small.convert_tokens_to_ids("<|im_end|>")

@@ -92,6 +92,14 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, toy):
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6, msg=name)
+    # Another model pointed at this folder finds its tracker and stops with a message that says what to change.
+    proc = run_trainer(toy_overrides(split, toy, f"worker.actor.model.model_path={toy['text_model']}",
+                                     f"data.train_files={toy['sums']}@train", f"data.val_files={toy['sums']}@test",
+                                     steps=3))
+    assert proc.returncode != 0
+    assert f"could not resume from {split / 'global_step_2'}" in proc.stderr, proc.stderr[-3000:]
+    assert "trainer.find_last_checkpoint=false" in proc.stderr
+    assert [r["step"] for r in read_log(split)] == [1, 2]  # nothing already written is lost
 
 
 @pytest.mark.slow

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# trainer.py on GPUS GPUs of one machine with the vLLM engine, a few steps each:
+#   1. the toy world (configs/toy.yaml, bf16 compute);
+#   2. a random-init 3B-sized Qwen2.5-VL (python toy.py --vl-3b) on the toy colours task, its images scaled
+#      up to 512 x 512 (324 image tokens), BATCH prompts x 5 responses of up to 512 tokens per step, two
+#      updates per step, full fine-tuning (fp32 weights and AdamW state, bf16 compute), a model-only save
+#      at the end.
+# Then prints seconds per step and the per-stage timings (median over the steps after the first) of each.
+#
+#   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
+set -euo pipefail
+OUT=${1:-/tmp/trainer_gpu}
+STEPS=${STEPS:-6}
+GPUS=${GPUS:-1}
+BATCH=${BATCH:-64}
+RUNS=${RUNS:-"toy 3b"}     # RUNS=3b: only the 3B-sized run
+GPU="trainer.device=cuda trainer.n_gpus_per_node=$GPUS worker.rollout.name=vllm worker.rollout.dtype=bf16
+     worker.actor.fsdp.torch_dtype=null worker.actor.fsdp.mp_param_dtype=bf16 worker.ref.fsdp.mp_param_dtype=bf16
+     trainer.val_before_train=false trainer.val_freq=-1 worker.rollout.disable_tqdm=true"
+
+if [[ $RUNS == *toy* ]]; then
+python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS trainer.save_checkpoint_path=$OUT/toy \
+    worker.rollout.gpu_memory_utilization=0.2
+fi
+
+if [[ $RUNS == *3b* ]]; then
+[ -f $OUT/qwen25vl-3b/config.json ] || python toy.py --vl-3b $OUT/qwen25vl-3b
+python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS trainer.save_checkpoint_path=$OUT/3b \
+    worker.actor.model.model_path=$OUT/qwen25vl-3b worker.actor.model.enable_gradient_checkpointing=true \
+    worker.actor.optim.lr=1e-6 worker.actor.optim.weight_decay=0.01 worker.actor.max_tokens_per_micro_batch=16384 \
+    data.min_pixels=262144 data.max_pixels=262144 data.max_prompt_length=512 data.max_response_length=512 \
+    data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
+    worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
+    trainer.save_freq=-1 trainer.save_model_only=true
+fi
+
+python - $(for r in $RUNS; do echo $OUT/$r; done) <<'PY'
+import json, statistics, sys
+for run in sys.argv[1:]:
+    rows = [json.loads(line) for line in open(f"{run}/experiment_log.jsonl")]
+    rows = [r for r in rows if "timing_s/step" in r]
+    later = rows[1:] or rows
+    keys = sorted(k for k in later[0] if k.startswith(("timing_s/", "perf/")) or k.startswith("response_length/mean"))
+    print(run, f"steps {len(rows)}; first step {rows[0]['timing_s/step']:.1f} s; median of steps 2..{len(rows)}:")
+    for k in keys:
+        print(f"  {k:36s} {statistics.median(r[k] for r in later if k in r):10.3f}")
+PY
