@@ -15,8 +15,8 @@ What it builds, deterministically from a seed, in a few seconds, cached under `r
                 `answer`, `images` as a list of {"bytes": png}): name the colour of the square.
   sums/         train.parquet / test.parquet, text only: "What is 3 + 4 ?" -> "7".
 
-Chance on `colors` is about 1 / vocabulary for the first word of a random-init model; GRPO lifts it
-to > 0.9 in a few minutes on two CPU cores (configs/toy.yaml).
+Chance on `colors` is about 1 / vocabulary for the first word of a random-init model; GRPO lifts
+greedy validation accuracy to 1.0 by step 75, in about three minutes on two CPU cores (configs/toy.yaml).
 
 The toy world is not a stage: it is data and weights on disk, read by the stages through the same
 code paths as a real Hugging Face model and a real dataset.

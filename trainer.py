@@ -331,7 +331,7 @@ class Worker:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(max(1, _usable_cpus() // world_size))
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
         a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
@@ -402,7 +402,7 @@ class WorkerGroup:
         self.mini_batch = a.global_batch_size * r.n
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()},
-                     **({"num_cpus": max(os.cpu_count() or 1, self.world)} if "RAY_ADDRESS" not in os.environ
+                     **({"num_cpus": max(_usable_cpus(), self.world)} if "RAY_ADDRESS" not in os.environ
                         and not _ray_cluster_running() else {}))
         gpu = 1 if self.device == "cuda" else 0
         self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world, strategy="PACK")
@@ -656,6 +656,11 @@ def _remove_old_checkpoints(root, step, best_step, limit):
 def _mix_seed(seed, step, rank):
     """The rollout seed of one step on one rank (the toy's seeded learning curve is measured with this mix)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def _usable_cpus():
+    """CPU cores this process may run on (taskset and cgroup CPU sets honoured, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _ensure_toy_world(cfg):

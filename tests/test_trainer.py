@@ -167,15 +167,18 @@ def test_variants_run_a_step(tmp_path, toy, name, extra):
 
 
 @pytest.mark.slow
-def test_toy_default_learns(tmp_path, toy):
-    """The default config (one CPU worker, seeded) lifts greedy validation accuracy from 0 to well above the
-    0.25 of always naming one colour within 100 steps (0.77 measured on 2 cores)."""
+@pytest.mark.parametrize("seed", [1, 2])
+def test_toy_default_learns(tmp_path, toy, seed):
+    """The default config (one CPU worker) lifts greedy validation accuracy from 0 to >= 0.9 within 100 steps,
+    for two data and sampling seeds (1.0 measured at steps 75 and 100 for both, on 2 cores; always naming
+    one colour scores 0.25)."""
     proc = run_trainer([f"trainer.save_checkpoint_path={tmp_path}", "trainer.max_steps=100", "trainer.val_freq=100",
-                        "trainer.save_freq=-1", "trainer.logger=[file]"], timeout=900)
+                        "trainer.save_freq=-1", "trainer.logger=[file]", f"data.seed={seed}",
+                        f"worker.rollout.seed={seed}"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = read_log(tmp_path)
     before, after = rows[0]["val/accuracy_reward"], rows[-1]["val/accuracy_reward"]
-    assert before <= 0.1 and after >= 0.6, (before, after)
+    assert before <= 0.1 and after >= 0.9, (before, after)
 
 
 def test_text_only_toy_config_resolves():
