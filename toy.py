@@ -145,74 +145,51 @@ def _tokenizer_corpus():
     return (colors + lines) * 50
 
 
-def build_vl_model(path, tokenizer, seed):
-    import torch
-    from transformers import (GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
-
-    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-        ),
-        vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-            spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-        ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).float()
-    model.save_pretrained(path)
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
-        video_processor=Qwen2VLVideoProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
-        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(path)
-    _generation_config(ids).save_pretrained(path)
+# Qwen2.5-VL shapes: the toy (fp32, untied, small images) and Qwen2.5-VL-3B-Instruct's (bf16, tied; about
+# 3.8 B parameters, 7.5 GB on disk), the latter for timing the loop on a GPU with the toy tasks' data.
+VL_SHAPES = {
+    "toy": dict(
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
+                    fullatt_block_indexes=[1]),
+        tied=False, dtype="float32", pixels=dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)),
+    "3b": dict(
+        text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                  num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                    window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+        tied=True, dtype="bfloat16", pixels={}),
+}
 
 
-def build_3b_vl_model(path, seed=0, device="cpu"):
-    """A random-init Qwen2.5-VL with the shapes of Qwen2.5-VL-3B-Instruct (text: 36 layers, hidden 2048,
-    16 heads, 2 KV heads, MLP 11008, tied embeddings, vocabulary 151,936; vision: 32 blocks, hidden 1280),
-    in bf16, for timing the loop on a GPU with the toy tasks' data. Its tokenizer is the toy one, padded
-    with never-encoded placeholder tokens ("<t167>" ...) up to Qwen's vocabulary size, so sampling from the
-    full vocabulary decodes to text. About 3.8 B parameters, 7.5 GB on disk."""
+def build_vl_model(path, tokenizer, seed, shape="toy", device="cpu"):
+    """A random-init Qwen2.5-VL of VL_SHAPES[shape] with `tokenizer`, saved as a Hugging Face folder with its
+    processor and generation config. For "3b" pass build_tokenizer(pad_to=151936), Qwen's vocabulary size."""
     import torch
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
                               Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
 
-    vocab_size = 151936
-    tokenizer = build_tokenizer(vocab_size)
+    s = VL_SHAPES[shape]
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=vocab_size, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-            num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-            tie_word_embeddings=True,
+            vocab_size=len(tokenizer), **s["text"], **({"tie_word_embeddings": True} if s["tied"] else {}),
             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=dict(
-            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
-            spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
-        ),
+        vision_config=dict(**s["vision"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=s["tied"],
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, s["dtype"]))
     model.save_pretrained(path)
     processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(), video_processor=Qwen2VLVideoProcessor(),
+        image_processor=Qwen2VLImageProcessor(**s["pixels"]), video_processor=Qwen2VLVideoProcessor(**s["pixels"]),
         tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(path)
@@ -296,6 +273,7 @@ if __name__ == "__main__":
     if args.vl_3b:
         import torch
 
-        print(build_3b_vl_model(args.vl_3b, args.seed, "cuda" if torch.cuda.is_available() else "cpu"))
+        print(build_vl_model(args.vl_3b, build_tokenizer(pad_to=151936), args.seed, "3b",
+                             "cuda" if torch.cuda.is_available() else "cpu"))
     else:
         print(json.dumps(ensure_toy(args.root, args.seed), indent=2))

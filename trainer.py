@@ -293,7 +293,6 @@ class Run:
         if not state.get("resumable", True):
             raise RuntimeError(f"{path} was saved with trainer.save_model_only=true and holds no optimizer state: "
                                f"it cannot be resumed; merge it with merge.py instead")
-        print(f"resuming from {path}", flush=True)
         try:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:

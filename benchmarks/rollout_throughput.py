@@ -3,8 +3,8 @@
     python benchmarks/rollout_throughput.py --engine vllm      # needs requirements-gpu.txt
     python benchmarks/rollout_throughput.py --engine hf
 
-Builds a random-init Qwen2.5-VL with the text dimensions of the 3B model (36 layers, hidden 2048, 16 heads,
-2 KV heads, vocabulary 151,936; a small vision tower) under /tmp, in bf16. Then, for the chosen engine:
+Builds a random-init Qwen2.5-VL with the shapes of the 3B model (toy.py's VL_SHAPES["3b"], vocabulary 151,936)
+under /tmp (or uses BENCH_MODEL), in bf16. Then, for the chosen engine:
   1. weight sync: load_weights(state dict of the transformers model) + wake_up, seconds (median of 3);
   2. log-prob agreement: 64 sampled tokens of 8 prompts, the engine's processed log-probs against a
      transformers bf16 forward of prompt + response (mean and max |delta|);
@@ -33,7 +33,7 @@ MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
 def build_model():
     """A 3B-sized random Qwen2.5-VL folder with the toy tokenizer padded to Qwen's vocabulary (toy.py)."""
     if not os.path.exists(os.path.join(MODEL, "config.json")):
-        toy.build_3b_vl_model(MODEL, device="cuda")
+        toy.build_vl_model(MODEL, toy.build_tokenizer(pad_to=151936), seed=0, shape="3b", device="cuda")
 
 
 def prompts(batch, length=256, seed=0):
