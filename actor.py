@@ -901,6 +901,9 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    if torch.is_autocast_enabled(q.device.type):  # rotary embeddings promote q, k to the fp32 of master weights;
+        low = torch.get_autocast_dtype(q.device.type)  # the varlen kernels want the compute dtype (no O(T^2) mask)
+        q, k, v = q.to(low), k.to(low), v.to(low)
     out = varlen_attention(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), causal, scaling)
     return out[None], None
 

@@ -310,7 +310,9 @@ class VLLMRollout:
         self.wake_up()
         mine = [{"raw_prompt_ids": list(p["raw_prompt_ids"]), "images": list(p.get("images") or []),
                  "uid": p["uid"]} for p in prompts]
-        group, offset, seed = self._gather_tp_group(mine, seed)
+        group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
+        if not group:
+            return []
         requests, params = [], []
         for i, prompt in enumerate(group):
             for j in range(n):

@@ -71,6 +71,24 @@ def fit(cfg):
         run.close()
 
 
+def training_steps(cfg, batches_per_epoch):
+    """trainer.max_steps, else the epochs' worth of steps, as EasyR1 counts them:
+    batches_per_epoch x mini_rollout_batch_size // rollout_batch_size x total_epochs (the loader's batches are
+    generation rounds of mini_rollout_batch_size prompts when that is set), else batches_per_epoch x total_epochs."""
+    t, d = cfg.trainer, cfg.data
+    if t.max_steps is not None:
+        return t.max_steps
+    if d.mini_rollout_batch_size is not None:
+        steps = batches_per_epoch * d.mini_rollout_batch_size // d.rollout_batch_size * t.total_epochs
+    else:
+        steps = batches_per_epoch * t.total_epochs
+    if steps < 1:
+        raise ConfigError(f"{batches_per_epoch} batches of {d.mini_rollout_batch_size or d.rollout_batch_size} prompts "
+                          f"per epoch make no step of data.rollout_batch_size={d.rollout_batch_size} prompts; "
+                          f"lower it or set trainer.max_steps")
+    return steps
+
+
 class Run:
     """Driver state: config, data, workers, loggers. Only plain lists and dicts cross to the workers."""
 
@@ -82,12 +100,14 @@ class Run:
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
         model_path = cfg.worker.actor.model.model_path
         tokenizer_path = cfg.worker.actor.model.tokenizer_path or model_path
-        self.processor, self.tokenizer = data.load_processor(tokenizer_path, cfg.data)
+        remote = cfg.worker.actor.model.trust_remote_code
+        self.processor, self.tokenizer = data.load_processor(tokenizer_path, cfg.data, trust_remote_code=remote)
         self.train_loader = data.PromptLoader(cfg.data.train_files, cfg.data, self.processor, model_path,
                                               batch_size=cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
-                                              shuffle=cfg.data.shuffle, drop_last=True)
+                                              shuffle=cfg.data.shuffle, drop_last=True, trust_remote_code=remote)
         self.val_loader = data.PromptLoader(cfg.data.val_files, cfg.data, self.processor, model_path,
-                                            batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False)
+                                            batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False,
+                                            trust_remote_code=remote)
         rw = cfg.worker.reward
         kwargs = dict(rw.reward_function_kwargs)
         if rw.reward_function in ("math", "r1v"):  # the built-ins that compare answers with a timeout
@@ -95,7 +115,7 @@ class Run:
         self.reward_fn = reward.load_reward_function(rw.reward_function, **kwargs)
         self.kl_ctrl = (advantage.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_type == "adaptive" else advantage.FixedKLController(cfg.algorithm.kl_coef))
-        self.training_steps = t.max_steps or self.train_loader.batches_per_epoch * t.total_epochs
+        self.training_steps = training_steps(cfg, self.train_loader.batches_per_epoch)
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume()
@@ -352,9 +372,7 @@ class Worker:
         self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
         self.rollout.wake_up()  # then the KV cache
 
-    def generate(self, prompts, sampling, step):
-        if not prompts:
-            return []
+    def generate(self, prompts, sampling, step):  # also with no prompts: a TP peer may be waiting to gather
         seed = _mix_seed(sampling["seed"], step, self.rank)  # a fresh stream per step and rank, reproducible
         return self.rollout.generate(prompts, **{**sampling, "seed": seed})
 
@@ -391,14 +409,7 @@ class WorkerGroup:
         self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world = t.nnodes * t.n_gpus_per_node
         self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
-        a, r = cfg.worker.actor, cfg.worker.rollout
-        if self.world % self.tp:
-            raise ConfigError(f"worker.rollout.tensor_parallel_size={self.tp} must divide the {self.world} workers")
-        for name, count in (("data.rollout_batch_size x worker.rollout.n", cfg.data.rollout_batch_size * r.n),
-                            ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
-            if count % self.world:
-                raise ConfigError(f"{name} = {count} must be divisible by the {self.world} workers")
-        self.mini_batch = a.global_batch_size * r.n
+        self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()},
                      **({"num_cpus": max(_usable_cpus(), self.world)} if "RAY_ADDRESS" not in os.environ
@@ -430,15 +441,14 @@ class WorkerGroup:
         self._get([w.sleep.remote() for w in self.workers], "rollout sleep")
 
     def generate(self, prompts, sampling, step):
-        """Split prompts over data-parallel groups; every rank of a TP group sees the same prompts."""
-        groups = self.world // self.tp
-        chunks = [prompts[i::groups] for i in range(groups)]
-        refs = [w.generate.remote(chunks[i // self.tp], sampling, step) for i, w in enumerate(self.workers)]
+        """Split prompts over all ranks, each its own share. The ranks of a tensor-parallel group hand their
+        shares to one vLLM engine (rollout.py gathers them), which generates each prompt n times, once."""
+        refs = [w.generate.remote(prompts[i::self.world], sampling, step) for i, w in enumerate(self.workers)]
         outs = self._get(refs, "generation")
         by_prompt = {}
-        for g in range(groups):
-            for r in outs[g * self.tp]:  # TP peers return the same responses: keep the first's
-                index = r["prompt_index"] * groups + g  # chunk g holds prompts g, g + groups, ...
+        for rank, out in enumerate(outs):
+            for r in out:
+                index = r["prompt_index"] * self.world + rank  # rank i holds prompts i, i + world, ...
                 by_prompt.setdefault(index, []).append({**r, "prompt_index": index})
         return [r for i in range(len(prompts)) for r in by_prompt.get(i, [])]
 
@@ -922,11 +932,34 @@ def check_config(cfg):
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    unknown = sorted(set(cfg.trainer.logger) - set(LOGGERS))
+    if unknown:
+        raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
+    positive = {"data.rollout_batch_size": d.rollout_batch_size, "data.mini_rollout_batch_size": d.mini_rollout_batch_size,
+                "worker.actor.global_batch_size": a.global_batch_size, "worker.actor.ppo_epochs": a.ppo_epochs,
+                "worker.rollout.n": r.n, "trainer.total_epochs": cfg.trainer.total_epochs,
+                "trainer.max_steps": cfg.trainer.max_steps, "trainer.nnodes": cfg.trainer.nnodes,
+                "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node}
+    for key, value in positive.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if d.val_batch_size == 0 or d.val_batch_size < -1:
+        raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
     if a.clip_ratio_dual <= 1.0:
         raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
     if d.rollout_batch_size % a.global_batch_size != 0:
         raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
                           f"worker.actor.global_batch_size={a.global_batch_size}")
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # one worker per GPU (per process on the CPU)
+    tp = r.tensor_parallel_size if r.name == "vllm" else 1
+    if world % tp:
+        raise ConfigError(f"worker.rollout.tensor_parallel_size={tp} must divide the {world} workers "
+                          f"(trainer.nnodes x trainer.n_gpus_per_node)")
+    for name, count in (("data.rollout_batch_size x worker.rollout.n", d.rollout_batch_size * r.n),
+                        ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
+        if count % world:
+            raise ConfigError(f"{name} = {count} must be divisible by the {world} workers "
+                              f"(trainer.nnodes x trainer.n_gpus_per_node)")
     if cfg.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: "
                           f"set worker.rollout.n >= 2 (it is {r.n})")

@@ -309,3 +309,69 @@ def test_bad_inputs_fail_with_clear_errors(toy, world):
     no_positions = {k: v for k, v in world.prompts[0].items() if k != "position_ids"}
     with pytest.raises(ValueError, match="position_ids"):
         engine.generate([no_positions], n=1)
+
+
+def test_tensor_parallel_ranks_bring_their_own_prompts():
+    """world 4, tensor_parallel_size 2: the driver hands every rank its own share, each TP group's vLLM engine
+    gathers its two ranks' shares and generates each prompt n times exactly once (8 prompts x n=3: 12 requests
+    per engine, not 24), and every response comes back to the driver under its own prompt. (In SPMD vLLM both
+    ranks of a TP group submit the same requests to their one engine.)"""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import trainer
+
+    world, tp, n = 4, 2, 3
+    requests = {rank: [] for rank in range(world)}  # per rank: the prompt ids it submitted to its TP group's engine
+    barrier, shared = threading.Barrier(tp), {}
+
+    class FakeLLM:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def generate(self, reqs, params, use_tqdm=False):
+            requests[self.rank] += [r["prompt_token_ids"][0] for r in reqs]
+            done = types.SimpleNamespace
+            out = []
+            for r in reqs:
+                ids = [r["prompt_token_ids"][0], IM_END]  # the prompt's first id, then EOS
+                out.append(done(outputs=[done(token_ids=ids, logprobs=[{t: done(logprob=-1.0)} for t in ids])]))
+            return out
+
+    def make_engine(rank):
+        engine = rollout.VLLMRollout.__new__(rollout.VLLMRollout)
+        engine.cfg, engine.max_response_length, engine.eos_ids = config(), 4, [IM_END]
+        engine.bias, engine.synced, engine.asleep, engine.llm = None, True, set(), FakeLLM(rank)
+        engine.SamplingParams = lambda **kw: kw
+
+        def gather(prompts, seed):  # what torch.distributed.all_gather_object does within the TP group
+            shared[rank] = prompts
+            barrier.wait()
+            peers = [shared[r] for r in range(rank // tp * tp, rank // tp * tp + tp)]
+            barrier.wait()
+            return [p for part in peers for p in part], sum(len(p) for p in peers[:rank % tp]), seed
+
+        engine._gather_tp_group = gather
+        return engine
+
+    engines = [make_engine(rank) for rank in range(world)]
+    pool = ThreadPoolExecutor(world)
+
+    class FakeWorker:
+        def __init__(self, rank):
+            self.generate = types.SimpleNamespace(
+                remote=lambda prompts, sampling, step: pool.submit(engines[rank].generate, prompts, n=n, seed=0))
+
+    group = trainer.WorkerGroup.__new__(trainer.WorkerGroup)
+    group.world, group.tp, group.workers = world, tp, [FakeWorker(r) for r in range(world)]
+    group._get = lambda refs, what: [f.result(timeout=30) for f in refs]
+    prompts = [{"uid": f"u{i}", "raw_prompt_ids": [100 + i, 7]} for i in range(8)]
+    responses = group.generate(prompts, {}, step=1)
+    pool.shutdown()
+
+    assert requests[0] == requests[1] and requests[2] == requests[3]  # TP peers submit the same requests
+    assert sorted(requests[0] + requests[2]) == sorted([100 + i for i in range(8)] * n)  # each prompt n times, once
+    assert len(requests[0]) == len(requests[2]) == 4 * n
+    assert [r["prompt_index"] for r in responses] == [i for i in range(8) for _ in range(n)]
+    assert all(r["response_ids"][0] == 100 + r["prompt_index"] and r["uid"] == f"u{r['prompt_index']}"
+               for r in responses)

@@ -1,0 +1,127 @@
+"""The actor's log-prob pass and update on one GPU, per weight mode: tokens/s, MFU, memory, and a profile.
+
+    python benchmarks/actor_paths.py [--modes fp32,bf16,fp32-fsdp] [--actor-file OTHER/actor.py] [--out r.json]
+
+A random-init 3B-sized Qwen2.5-VL (toy.py's VL_SHAPES["3b"]; built under /tmp or BENCH_MODEL), gradient
+checkpointing on, 40 samples of a 330-token prompt and a 512-token response (33.7k tokens, about three packed
+micro-batches of at most 16,384 tokens), one optimizer step per update. Modes:
+    fp32       fp32 master weights and AdamW state, bf16 compute by autocast (one GPU, no process group)
+    bf16       bf16 weights (fsdp.torch_dtype=bf16), plain AdamW
+    fp32-fsdp  as fp32, but FSDP2 over a one-rank process group (bf16 MixedPrecisionPolicy)
+For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up (synchronised), response +
+prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, and the top CUDA kernels
+of one log-prob micro-batch and one update micro-batch (torch.profiler). `--actor-file` times another copy of
+actor.py (for a before/after comparison).
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import toy  # noqa: E402
+from test_actor import actor_config  # noqa: E402
+
+MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
+PROMPT, RESPONSE, SAMPLES = 330, 512, 40
+
+
+def load_actor_module(path):
+    if path is None:
+        import actor
+        return actor
+    spec = importlib.util.spec_from_file_location("actor_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_samples(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(SAMPLES):
+        ids = torch.randint(200, 150000, (PROMPT + RESPONSE,), generator=g).tolist()
+        out.append({"prompt_ids": ids[:PROMPT], "response_ids": ids[PROMPT:], "multi_modal_inputs": {},
+                    "position_ids": torch.arange(PROMPT)[None].expand(4, -1).clone(), "advantage": 1.0})
+    return out
+
+
+def timed(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def top_kernels(fn, rows=8):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) or 1
+    return [(e.key[:80], round(e.self_device_time_total / 1e3, 1), round(e.self_device_time_total / total, 3))
+            for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:rows]]
+
+
+def run_mode(actor, mode, repeats):
+    weights = "bf16" if mode == "bf16" else "fp32"
+    cfg = actor_config(MODEL, max_tokens_per_micro_batch=16384, compute_entropy=False, global_batch_size=SAMPLES,
+                       **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": "bf16", "fsdp.mp_reduce_dtype": "fp32",
+                          "model.enable_gradient_checkpointing": True, "optim.lr": 1e-6})
+    policy = actor.Actor(cfg, device="cuda", max_prompt_length=PROMPT, max_response_length=RESPONSE,
+                         training_steps=100)
+    samples = make_samples()
+    tokens = SAMPLES * (PROMPT + RESPONSE)
+    torch.cuda.reset_peak_memory_stats()
+    old_s, old = timed(lambda: policy.compute_log_probs(samples), repeats)
+    for s, lp in zip(samples, old):
+        s["old_logprobs"] = lp
+    update_s, metrics = timed(lambda: policy.update(samples), repeats)
+    one = samples[:SAMPLES // 3]  # about one micro-batch of each pass, profiled
+    result = {"mode": mode, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
+              "old_s": old_s, "update_s": update_s, "mfu_update": metrics.get("perf/mfu_actor"),
+              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "profile_old_micro_batch": top_kernels(lambda: policy.compute_log_probs(one)),
+              "profile_update_micro_batch": top_kernels(lambda: policy.update(one))}
+    del policy
+    torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="fp32,bf16,fp32-fsdp")
+    parser.add_argument("--actor-file", default=None, help="another actor.py to time instead of this one")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not os.path.exists(os.path.join(MODEL, "config.json")):
+        toy.build_vl_model(MODEL, toy.build_tokenizer(pad_to=151936), seed=0, shape="3b", device="cuda")
+    actor = load_actor_module(args.actor_file)
+    results = {"gpu": torch.cuda.get_device_name(), "actor": args.actor_file or "actor.py", "modes": []}
+    for mode in args.modes.split(","):
+        if mode == "fp32-fsdp" and not torch.distributed.is_initialized():
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"})
+            torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        results["modes"].append(run_mode(actor, mode, args.repeats))
+        print(json.dumps(results["modes"][-1], indent=1), flush=True)
+    if args.out:
+        json.dump(results, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
