@@ -335,7 +335,7 @@ class Actor:
         self.image_token_id = getattr(self.hf_config, "image_token_id", None)
         self.video_token_id = getattr(self.hf_config, "video_token_id", None)
         self.pad_id = getattr(text, "pad_token_id", None) or 0
-        self.flops_per_token, self.attn_flops_coef, self.vision_params = count_flops_coefficients(self.hf, text)
+        self.flops_params = count_flops_params(self.hf, text)
         self.dummy_vision = dummy_vision_input(self.hf) if self.is_vl else None
         if role == "ref":
             self.module.requires_grad_(False)
@@ -661,11 +661,15 @@ class Actor:
         return flat("old_logprobs", required=True), adv, ref, rollout
 
     def _flops(self, batch):
-        """Forward + backward FLOPs of a micro-batch: 6 N tokens + 12 sum(L^2) head_dim heads layers (+ vision)."""
+        """Forward + backward FLOPs of a micro-batch (recomputation not counted), with P the parameter counts of
+        count_flops_params, T the tokens, R the response tokens (the only ones the LM head runs on), L the
+        sequence lengths:  6 (P_body T + P_head R + P_vision patches) + 6 d h layers sum(L^2)  (causal attention:
+        QK^T and AV are 2 x 2 d h L^2 / 2 FLOPs forward per layer, backward twice that)."""
+        p = self.flops_params
         squares = sum(length * length for length in batch["seq_lens"])
         patches = sum(v.shape[0] for k, v in batch["mm"].items() if k.startswith("pixel_values"))
-        return 6.0 * (self.flops_per_token * sum(batch["seq_lens"]) + self.vision_params * patches) + \
-            self.attn_flops_coef * squares
+        return 6.0 * (p["body"] * sum(batch["seq_lens"]) + p["head"] * sum(batch["resp_lens"])
+                      + p["vision"] * patches + p["attention"] * squares)
 
     def _modalities(self, samples):
         """Vision calls every micro-batch makes: ("image",) or ("image", "video") if any rank has videos."""
@@ -1092,12 +1096,16 @@ def save_hf_files(model_cfg, path, peft_model=None):
 # ----------------------------------------------------------------------------------------------
 
 class AdamWBF16(torch.optim.Optimizer):
-    """AdamW with bf16 moment estimates (optim.strategy=adamw_bf16). Per parameter, in fp32:
+    """AdamW for bf16 weights (optim.strategy=adamw_bf16, as EasyR1's AnyPrecisionAdamW): moments m, v and a
+    Kahan compensation c stored in bf16, arithmetic in fp32. Per parameter p, step t:
 
         m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
-        p = p (1 - lr wd) - lr m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps)
+        u = -lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd p) + c     the step plus what was lost before
+        s = p + u (fp32);   p = bf16(s);   c = s - p                           c: what this write-back lost
 
-    m and v are stored in bf16, p in its own dtype."""
+    Without c, a step below half a bf16 spacing of p is lost: lr 1e-6 on weights of 0.02 (spacing 1.2e-4) moves
+    nothing. Weight decay goes through c too (EasyR1 multiplies p in place, where lr wd = 1e-8 rounds away).
+    Works on FSDP2 shards: the arithmetic runs on local tensors, the state stays DTensor (sharded checkpoints)."""
 
     def __init__(self, params, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -1112,17 +1120,24 @@ class AdamWBF16(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    for key in ("exp_avg", "exp_avg_sq", "compensation"):
+                        state[key] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
                 t = state["step"].item()
-                g, x = p.grad.float(), p.float()
-                m = state["exp_avg"].float().mul_(b1).add_(g, alpha=1 - b1)
-                v = state["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
-                x.mul_(1 - lr * wd).addcdiv_(m, (v / (1 - b2 ** t)).sqrt_().add_(eps), value=-lr / (1 - b1 ** t))
-                p.copy_(x)
+                x, g = _local(p), _local(p.grad).float()  # [shard]
+                m, v, c = (_local(state[k]) for k in ("exp_avg", "exp_avg_sq", "compensation"))
+                m32 = m.float().lerp_(g, 1 - b1)
+                v32 = v.float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                m.copy_(m32)
+                v.copy_(v32)
+                del g
+                u = m32.div_(v32.div_(1 - b2 ** t).sqrt_().add_(eps)).mul_(-lr / (1 - b1 ** t))
+                del v32
+                s = x.float()
+                u.add_(s, alpha=-lr * wd).add_(c)
+                s.add_(u)
+                x.copy_(s)
+                c.copy_(s.sub_(x))
 
 
 def lr_at(optim_cfg, step, total):
@@ -1160,17 +1175,21 @@ def clip_grad_norm(params, max_norm, device, group=None):
 # Small helpers
 # ----------------------------------------------------------------------------------------------
 
-def count_flops_coefficients(hf, text_config):
-    """(text parameters per token without the input embedding, 12 x head_dim x heads x layers, vision parameters)."""
-    vision = text = 0
+def count_flops_params(hf, text_config):
+    """Parameter counts for the FLOP estimate: {"body": text parameters run on every token (the input embedding
+    is a lookup, not counted), "head": the LM head (vocab x hidden, also when tied to the embedding), "vision":
+    vision tower parameters (per patch), "attention": head_dim x heads x layers}."""
+    head = hf.get_output_embeddings().weight
+    body = vision = 0
     for name, p in hf.named_parameters():
         if ".visual." in f".{name}":
             vision += p.numel()
-        elif "embed_tokens" not in name:
-            text += p.numel()
+        elif "embed_tokens" not in name and p is not head:
+            body += p.numel()
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return text, 12.0 * head_dim * heads * text_config.num_hidden_layers, vision
+    return {"body": body, "head": head.numel(), "vision": vision,
+            "attention": head_dim * heads * text_config.num_hidden_layers}
 
 
 def peak_tflops(device):

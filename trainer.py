@@ -29,14 +29,17 @@ Differences from EasyR1 (and why):
 """
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import shutil
 import sys
+import threading
 import time
 import typing
 from dataclasses import dataclass, field
@@ -97,6 +100,7 @@ class Run:
         _ensure_toy_world(cfg)
         self.ckpt_root = os.path.abspath(t.save_checkpoint_path or os.path.join("checkpoints", t.project_name, t.experiment_name))
         os.makedirs(self.ckpt_root, exist_ok=True)
+        checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray starts
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
         model_path = cfg.worker.actor.model.model_path
         tokenizer_path = cfg.worker.actor.model.tokenizer_path or model_path
@@ -118,7 +122,7 @@ class Run:
         self.training_steps = training_steps(cfg, self.train_loader.batches_per_epoch)
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
-        self._resume()
+        self._resume(checkpoint)
 
     def fit(self):
         cfg, t = self.cfg, self.cfg.trainer
@@ -155,6 +159,8 @@ class Run:
         """One GRPO step: prompts -> sync -> generate -> reward -> filter -> log-probs -> advantages -> update."""
         cfg, metrics = self.cfg, {}
         with timer(metrics, "step"):
+            with timer(metrics, "sync"):
+                self.workers.sync_weights()
             with timer(metrics, "gen"):
                 prompts, responses, scores, reward_metrics = self.make_batch(metrics)
             samples = [_sample(prompts[r["prompt_index"]], r) for r in responses]
@@ -200,7 +206,6 @@ class Run:
         want, n = cfg.data.rollout_batch_size, cfg.worker.rollout.n
         kept_prompts, kept_responses, kept_scores, all_scores = [], [], [], []
         self.greedy_reward = {}  # ReMax baselines of this step's prompts
-        self.workers.sync_weights()
         rounds = 0
         while len(kept_prompts) < want:
             rounds += 1
@@ -285,34 +290,22 @@ class Run:
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
         torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
-        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only}
-        _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
         if val_score is not None and (self.best["best_val_reward_score"] is None or val_score > self.best["best_val_reward_score"]):
             self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
+        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only, **self.best}
+        _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
         # The tracker is written last and atomically: a crash before this line leaves the previous one.
         _write_json_atomic(os.path.join(self.ckpt_root, TRACKER), {"last_global_step": self.step, **self.best})
         _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
 
-    def _resume(self):
+    def _resume(self, path):
+        """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
         t = self.cfg.trainer
-        path = t.load_checkpoint_path
-        if path is None and t.find_last_checkpoint:
-            tracker = os.path.join(self.ckpt_root, TRACKER)
-            if os.path.exists(tracker):
-                info = json.load(open(tracker))
-                path = os.path.join(self.ckpt_root, f"global_step_{info['last_global_step']}")
-                self.best = {k: info.get(k) for k in self.best}
         self.greedy_reward = {}
         if path is None:
             self.train_iter = iter(self.train_loader)
             return
-        match = re.search(r"global_step_(\d+)/?$", path)
-        if not match or not os.path.isdir(path):
-            raise FileNotFoundError(f"trainer.load_checkpoint_path={path!r} must be an existing global_step_N folder")
         state = json.load(open(os.path.join(path, "trainer_state.json")))
-        if not state.get("resumable", True):
-            raise RuntimeError(f"{path} was saved with trainer.save_model_only=true and holds no optimizer state: "
-                               f"it cannot be resumed; merge it with merge.py instead")
         try:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:
@@ -323,7 +316,8 @@ class Run:
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=False))
         self.train_iter = iter(self.train_loader)
         self.kl_ctrl.value = state["kl_coef"]
-        self.step = int(match.group(1))
+        self.best = {k: state.get(k) for k in self.best}
+        self.step = int(state["global_step"])
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):
@@ -351,6 +345,7 @@ class Worker:
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device == "cpu":
             torch.set_num_threads(max(1, _usable_cpus() // world_size))
+        self.memory = {}  # phase -> peak GiB in use on the device, reported with the update
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
         a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
@@ -362,6 +357,8 @@ class Worker:
         needs_ref = not cfg.algorithm.disable_kl
         ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
         self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
+        r = copy.copy(r)
+        r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
         self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
                                             max_response_length=d.max_response_length, device=device,
                                             tokenizer_path=a.model.tokenizer_path)
@@ -369,23 +366,30 @@ class Worker:
         return True
 
     def sync_weights(self):
-        self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
-        self.rollout.wake_up()  # then the KV cache
+        with device_peak(self.memory, "sync"):
+            self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
+            self.rollout.wake_up()  # then the KV cache
 
     def generate(self, prompts, sampling, step):  # also with no prompts: a TP peer may be waiting to gather
         seed = _mix_seed(sampling["seed"], step, self.rank)  # a fresh stream per step and rank, reproducible
-        return self.rollout.generate(prompts, **{**sampling, "seed": seed})
+        with device_peak(self.memory, "gen"):
+            return self.rollout.generate(prompts, **{**sampling, "seed": seed})
 
     def sleep(self):
         self.rollout.sleep()
 
     def log_probs(self, samples, kind):
-        if kind == "ref":
-            return self.ref.compute_log_probs(samples) if self.ref else self.actor.compute_log_probs(samples, disable_adapter=True)
-        return self.actor.compute_log_probs(samples)
+        with device_peak(self.memory, kind):
+            if kind == "ref":
+                return self.ref.compute_log_probs(samples) if self.ref else self.actor.compute_log_probs(samples, disable_adapter=True)
+            return self.actor.compute_log_probs(samples)
 
     def update(self, samples):
-        return self.actor.update(samples)
+        with device_peak(self.memory, "update"):
+            metrics = self.actor.update(samples)
+        metrics.update({f"perf/peak_device_memory_gb/{phase}": gib for phase, gib in self.memory.items()})
+        self.memory.clear()
+        return metrics
 
     def save(self, path, model_only):
         self.actor.save_checkpoint(path, model_only=model_only)
@@ -556,31 +560,78 @@ class timer:
         self.metrics[self.name] = self.metrics.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
+LOGGERS = {"console": None, "file": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
+           "swanlab": "swanlab"}  # trainer.logger entries -> the package each needs
+
+
+class device_peak:
+    """with device_peak(memory, "gen"): ... keeps in memory["gen"] the most GiB in use on this process's GPU while
+    the block ran, from the device itself (cudaMemGetInfo, polled every 5 ms: every process and allocator, vLLM's
+    pool included; torch's max_memory_allocated counts vLLM's pool but not what it frees). No-op on the CPU."""
+
+    def __init__(self, memory, name):
+        self.memory, self.name, self.done, self.peak = memory, name, threading.Event(), 0
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            device = torch.cuda.current_device()
+            self.thread = threading.Thread(target=self._poll, args=(device,), daemon=True)
+            self.thread.start()
+
+    def _poll(self, device):
+        while True:
+            free, total = torch.cuda.mem_get_info(device)
+            self.peak = max(self.peak, total - free)
+            if self.done.wait(0.005):
+                return
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            self.done.set()
+            self.thread.join()
+            self.memory[self.name] = max(self.memory.get(self.name, 0.0), self.peak / 2**30)
+
+
 class Logger:
-    """Console (progress bar + a line per step), JSONL (always, appended), TensorBoard and W&B when asked."""
+    """Console (progress bar + a line per step), JSONL (always, appended); TensorBoard, W&B, MLflow and SwanLab
+    when asked (as EasyR1: mlflow.start_run(experiment_name) + log_params of the flat config; swanlab.init with
+    SWANLAB_API_KEY, SWANLAB_DIR and SWANLAB_MODE from the environment)."""
 
     def __init__(self, root, names, cfg):
+        for name in names:  # before anything is written: a missing package is a one-line error
+            if LOGGERS[name] and importlib.util.find_spec(LOGGERS[name]) is None:
+                raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
+                                  f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         self.names, self.root = names, root
         self.jsonl_path = os.path.join(root, "experiment_log.jsonl")
         self.jsonl = open(self.jsonl_path, "a")  # appended on resume, never truncated
         self.generations = open(os.path.join(root, "generations.log"), "a")
         _write_json_atomic(os.path.join(root, "experiment_config.json"), config_to_dict(cfg))
-        self.tb = self.wandb = None
+        self.tb = self.wandb = self.mlflow = self.swanlab = None
+        t, config = cfg.trainer, config_to_dict(cfg)
         if "tensorboard" in names:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(root, "tensorboard"))
-            except ImportError:
-                print("trainer.logger has tensorboard but it is not installed (pip install tensorboard); skipping it")
+            self.tb = SummaryWriter(os.path.join(root, "tensorboard"))
         if "wandb" in names:
-            try:
-                import wandb
+            import wandb
 
-                self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
-                                        config=config_to_dict(cfg), resume="allow")
-            except ImportError:
-                print("trainer.logger has wandb but it is not installed (pip install wandb); skipping it")
+            self.wandb = wandb.init(project=t.project_name, name=t.experiment_name, config=config, resume="allow")
+        if "mlflow" in names:
+            import mlflow
+
+            self.mlflow = mlflow
+            mlflow.start_run(run_name=t.experiment_name)
+            mlflow.log_params(dict(_flatten(config)))
+        if "swanlab" in names:
+            import swanlab
+
+            self.swanlab = swanlab
+            if os.environ.get("SWANLAB_API_KEY"):
+                swanlab.login(os.environ["SWANLAB_API_KEY"])
+            swanlab.init(project=t.project_name, experiment_name=t.experiment_name, config=config,
+                         logdir=os.environ.get("SWANLAB_DIR", os.path.join(root, "swanlab")),
+                         mode=os.environ.get("SWANLAB_MODE", "cloud"))
 
     def log(self, metrics, step):
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -595,6 +646,10 @@ class Logger:
                 self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log(metrics, step=step)
+        if self.mlflow:
+            self.mlflow.log_metrics(metrics, step=step)
+        if self.swanlab:
+            self.swanlab.log(metrics, step=step)
 
     def log_generations(self, rows, step):
         for row in rows:
@@ -635,6 +690,10 @@ class Logger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+        if self.mlflow:
+            self.mlflow.end_run()
+        if self.swanlab:
+            self.swanlab.finish()
 
 
 def _write_json_atomic(path, obj):
@@ -645,6 +704,92 @@ def _write_json_atomic(path, obj):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _find_checkpoint(root, load_path, find_last):
+    """The global_step_N folder a run resumes from, or None for a fresh start. Reads files only (no Ray, no model).
+
+    An explicit `load_path` (trainer.load_checkpoint_path) must be complete. Otherwise, with `find_last`, the
+    tracker in `root` names the last checkpoint; when that one is incomplete (see _checkpoint_problem), the newest
+    complete one before it is used and the run says so. An unreadable tracker is reported and the newest complete
+    global_step_N folder is used. No tracker: a fresh start. A tracker but no complete checkpoint: an error.
+    """
+    if load_path is not None:
+        if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
+            raise CheckpointError(f"trainer.load_checkpoint_path={load_path!r} must be an existing global_step_N folder")
+        problem = _checkpoint_problem(load_path)
+        if problem:
+            raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
+        return load_path
+    tracker = os.path.join(root, TRACKER)
+    if not find_last or not os.path.exists(tracker):
+        return None
+    steps = sorted((int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n))), reverse=True)
+    problems = []
+    try:
+        with open(tracker) as f:
+            last = int(json.load(f)["last_global_step"])
+        if last not in steps:
+            problems.append(f"global_step_{last} (named by the tracker) does not exist")
+        steps = [s for s in steps if s <= last]  # later folders were being written when the run stopped
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"{tracker} cannot be read ({type(e).__name__}: {e}); looking for the newest complete checkpoint "
+              f"in {root}", flush=True)
+    for step in steps:
+        path = os.path.join(root, f"global_step_{step}")
+        problem = _checkpoint_problem(path)
+        if problem is None:
+            if problems:
+                print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
+            return path
+        problems.append(f"global_step_{step}: {problem}")
+    raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
+                          f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
+                          f"afresh with trainer.find_last_checkpoint=false (or another trainer.save_checkpoint_path)")
+
+
+def _checkpoint_problem(path):
+    """None when the folder holds every file a resume reads, else what is wrong, in words. Reads: trainer_state.json
+    (resumable), dataloader.pt and actor/extra_state.pt (loaded), and the DCP folders actor/model and actor/optim
+    (their .metadata read, every shard file it names present and long enough)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return "trainer_state.json is missing"
+    except ValueError as e:
+        return f"trainer_state.json cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
+        return "trainer_state.json lacks global_step or kl_coef"
+    if not state.get("resumable", True):
+        return ("it was saved with trainer.save_model_only=true and holds no optimizer state, so it cannot be "
+                "resumed (merge it with merge.py instead)")
+    for name in ("dataloader.pt", os.path.join("actor", "extra_state.pt")):
+        try:
+            torch.load(os.path.join(path, name), weights_only=True)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except Exception as e:  # truncated, or not plain tensors and containers
+            return f"{name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    for name in ("model", "optim"):
+        folder = os.path.join(path, "actor", name)
+        try:
+            metadata = FileSystemReader(folder).read_metadata()
+        except FileNotFoundError:
+            return f"actor/{name} is missing or incomplete (no .metadata)"
+        except Exception as e:
+            return f"actor/{name}/.metadata cannot be read ({type(e).__name__})"
+        for info in metadata.storage_data.values():
+            shard = os.path.join(folder, info.relative_path)
+            if not os.path.exists(shard) or os.path.getsize(shard) < info.offset + info.length:
+                return f"actor/{name}/{info.relative_path} is missing or truncated"
+    return None
 
 
 def _remove_old_checkpoints(root, step, best_step, limit):
@@ -899,6 +1044,7 @@ def load_config(path=None, overrides=()):
     """Defaults <- YAML file <- `a.b.c=value` overrides. Raises ConfigError naming the bad key."""
     cfg = Config()
     if path is not None:
+        path = _config_file(path)
         with open(path) as f:
             tree = yaml.safe_load(f) or {}
         if not isinstance(tree, dict):
@@ -922,6 +1068,7 @@ def check_config(cfg):
                                     ["grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]),
         "algorithm.kl_penalty": (cfg.algorithm.kl_penalty, ["kl", "abs", "mse", "low_var_kl"]),
         "algorithm.kl_type": (cfg.algorithm.kl_type, ["fixed", "adaptive"]),
+        "worker.actor.strategy": (a.strategy, ["fsdp"]),
         "worker.actor.loss_type": (a.loss_type, ["default", "gspo", "gspo_token", "cispo", "sapo"]),
         "worker.actor.loss_avg_mode": (a.loss_avg_mode, ["token", "seq", "seq_sum_norm"]),
         "worker.actor.optim.strategy": (a.optim.strategy, ["adamw", "adamw_bf16"]),
@@ -945,6 +1092,19 @@ def check_config(cfg):
             raise ConfigError(f"{key}={value} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
+    for section, fsdp in (("worker.actor.fsdp", a.fsdp), ("worker.ref.fsdp", cfg.worker.ref.fsdp)):
+        for key in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype"):
+            value = getattr(fsdp, key)
+            if value is not None and value not in actor.DTYPES:
+                raise ConfigError(f"{section}.{key}={value!r} is not one of {list(actor.DTYPES)}")
+        if actor.DTYPES[fsdp.mp_buffer_dtype] != torch.float32:
+            raise ConfigError(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype}: buffers (rotary frequencies) stay in "
+                              f"fp32, as EasyR1's default; FSDP2 has no buffer dtype, so only fp32 is supported")
+    ref = cfg.worker.ref.fsdp
+    if ref.torch_dtype is not None and actor.DTYPES[ref.torch_dtype] != actor.DTYPES[ref.mp_param_dtype]:
+        raise ConfigError(f"worker.ref.fsdp.torch_dtype={ref.torch_dtype}: the reference stores its weights in its "
+                          f"compute dtype (worker.ref.fsdp.mp_param_dtype={ref.mp_param_dtype}), which gives the same "
+                          f"log-probs in less memory; set it to null or to {ref.mp_param_dtype}")
     if a.clip_ratio_dual <= 1.0:
         raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
     if d.rollout_batch_size % a.global_batch_size != 0:
@@ -970,6 +1130,18 @@ def check_config(cfg):
         raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
     if not a.padding_free:
         raise ConfigError("worker.actor.padding_free=false is not supported: the actor always packs sequences")
+
+
+def _config_file(path):
+    """`path` as given if it exists, else the file of that name in configs/ (`geo3k.yaml`, or `geo3k`)."""
+    if os.path.isfile(path):
+        return path
+    folder = os.path.join(HERE, "configs")
+    for name in (path, path + ".yaml"):
+        if os.sep not in name and os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    shipped = sorted(n for n in os.listdir(folder) if n.endswith(".yaml"))
+    raise ConfigError(f"no config file {path!r} (nor in {folder}: {', '.join(shipped)})")
 
 
 def config_to_dict(cfg):
@@ -1108,7 +1280,11 @@ def main(argv=None):
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
-    fit(cfg)
+    try:
+        fit(cfg)
+    except ConfigError as e:  # found at start-up (a logger's package, too few batches): one line, not a traceback
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,17 +1,20 @@
 """The actor's log-prob pass and update on one GPU, per weight mode: tokens/s, MFU, memory, and a profile.
 
     python benchmarks/actor_paths.py [--modes fp32,bf16,fp32-fsdp] [--actor-file OTHER/actor.py] [--out r.json]
+    python benchmarks/actor_paths.py --modes fp32 --samples 160 --prompt 340 --generate   # a step's bare parts
 
 A random-init 3B-sized Qwen2.5-VL (toy.py's VL_SHAPES["3b"]; built under /tmp or BENCH_MODEL), gradient
 checkpointing on, 40 samples of a 330-token prompt and a 512-token response (33.7k tokens, about three packed
-micro-batches of at most 16,384 tokens), one optimizer step per update. Modes:
+micro-batches of at most 16,384 tokens), one optimizer step per update (`--optimizer-steps`). Modes:
     fp32       fp32 master weights and AdamW state, bf16 compute by autocast (one GPU, no process group)
     bf16       bf16 weights (fsdp.torch_dtype=bf16), plain AdamW
     fp32-fsdp  as fp32, but FSDP2 over a one-rank process group (bf16 MixedPrecisionPolicy)
 For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up (synchronised), response +
 prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, and the top CUDA kernels
 of one log-prob micro-batch and one update micro-batch (torch.profiler). `--actor-file` times another copy of
-actor.py (for a before/after comparison).
+actor.py (for a before/after comparison). `--samples/--prompt/--response` change the shape; `--generate` first
+times a plain vLLM generate of the same samples (one response of `--response` tokens each, EOS ignored, the
+engine alone: no Ray, no weight sync), so the three bare parts of a training step can be set against it.
 """
 
 import argparse
@@ -21,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -30,7 +34,7 @@ import toy  # noqa: E402
 from test_actor import actor_config  # noqa: E402
 
 MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
-PROMPT, RESPONSE, SAMPLES = 330, 512, 40
+PROMPT, RESPONSE, SAMPLES, STEPS = 330, 512, 40, 1  # changed by the command line
 
 
 def load_actor_module(path):
@@ -77,9 +81,30 @@ def top_kernels(fn, rows=8):
             for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:rows]]
 
 
+def bare_generate(repeats):
+    """Seconds of one vLLM generate of SAMPLES prompts x RESPONSE new tokens (median after a warm-up), then sleep."""
+    import rollout
+    from transformers import AutoModelForImageTextToText
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29533", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    cfg = types.SimpleNamespace(name="vllm", ignore_eos=True, seed=1, limit_images=0, gpu_memory_utilization=0.35,
+                                enforce_eager=False, enable_chunked_prefill=False, tensor_parallel_size=1,
+                                max_model_len=None, max_num_batched_tokens=16384, disable_log_stats=True,
+                                disable_tqdm=True, dtype="bf16")
+    engine = rollout.make_rollout(cfg, MODEL, max_prompt_length=PROMPT, max_response_length=RESPONSE, device="cuda")
+    hf = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.bfloat16)
+    engine.load_weights(iter(hf.state_dict().items()))
+    del hf
+    prompts = [{"uid": str(i), "raw_prompt_ids": s["prompt_ids"]} for i, s in enumerate(make_samples())]
+    seconds, _ = timed(lambda: engine.generate(prompts, n=1, max_tokens=RESPONSE, seed=5), repeats)
+    engine.sleep()
+    return seconds
+
+
 def run_mode(actor, mode, repeats):
     weights = "bf16" if mode == "bf16" else "fp32"
-    cfg = actor_config(MODEL, max_tokens_per_micro_batch=16384, compute_entropy=False, global_batch_size=SAMPLES,
+    cfg = actor_config(MODEL, max_tokens_per_micro_batch=16384, compute_entropy=False, global_batch_size=SAMPLES // STEPS,
                        **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": "bf16", "fsdp.mp_reduce_dtype": "fp32",
                           "model.enable_gradient_checkpointing": True, "optim.lr": 1e-6})
     policy = actor.Actor(cfg, device="cuda", max_prompt_length=PROMPT, max_response_length=RESPONSE,
@@ -91,7 +116,7 @@ def run_mode(actor, mode, repeats):
     for s, lp in zip(samples, old):
         s["old_logprobs"] = lp
     update_s, metrics = timed(lambda: policy.update(samples), repeats)
-    one = samples[:SAMPLES // 3]  # about one micro-batch of each pass, profiled
+    one = samples[:16384 // (PROMPT + RESPONSE)]  # one micro-batch of each pass, profiled
     result = {"mode": mode, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
               "old_s": old_s, "update_s": update_s, "mfu_update": metrics.get("perf/mfu_actor"),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -107,12 +132,24 @@ def main():
     parser.add_argument("--modes", default="fp32,bf16,fp32-fsdp")
     parser.add_argument("--actor-file", default=None, help="another actor.py to time instead of this one")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=SAMPLES)
+    parser.add_argument("--prompt", type=int, default=PROMPT)
+    parser.add_argument("--response", type=int, default=RESPONSE)
+    parser.add_argument("--optimizer-steps", type=int, default=STEPS, help="mini-batches per update")
+    parser.add_argument("--generate", action="store_true", help="first time a plain vLLM generate of the samples")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    global SAMPLES, PROMPT, RESPONSE, STEPS
+    SAMPLES, PROMPT, RESPONSE, STEPS = args.samples, args.prompt, args.response, args.optimizer_steps
     if not os.path.exists(os.path.join(MODEL, "config.json")):
         toy.build_vl_model(MODEL, toy.build_tokenizer(pad_to=151936), seed=0, shape="3b", device="cuda")
     actor = load_actor_module(args.actor_file)
-    results = {"gpu": torch.cuda.get_device_name(), "actor": args.actor_file or "actor.py", "modes": []}
+    results = {"gpu": torch.cuda.get_device_name(), "actor": args.actor_file or "actor.py", "modes": [],
+               "samples": SAMPLES, "prompt": PROMPT, "response": RESPONSE}
+    if args.generate:
+        results["generate_s"] = bare_generate(args.repeats)
+        results["generate_new_tokens_per_s"] = SAMPLES * RESPONSE / results["generate_s"]
+        print(json.dumps(results), flush=True)
     for mode in args.modes.split(","):
         if mode == "fp32-fsdp" and not torch.distributed.is_initialized():
             os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"})

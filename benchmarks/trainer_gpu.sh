@@ -5,7 +5,10 @@
 #      up to 512 x 512 (324 image tokens), BATCH prompts x 5 responses of up to 512 tokens per step, two
 #      updates per step, full fine-tuning (fp32 weights and AdamW state, bf16 compute), a model-only save
 #      at the end.
-# Then prints seconds per step and the per-stage timings (median over the steps after the first) of each.
+# Then prints seconds per step and the per-stage timings (median over the steps after the first) of each, with
+# perf/throughput (prompt + response tokens / step seconds / GPUs, EasyR1's tokens/s/GPU), perf/mfu_actor and the
+# peak device memory of each phase (perf/peak_device_memory_gb/*). COMPONENTS=1 then times the bare parts of the
+# 3B step on the same shapes (benchmarks/actor_paths.py --generate: vLLM generate, log-prob pass, update).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
 set -euo pipefail
@@ -32,6 +35,11 @@ python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS traine
     data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
     worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
     trainer.save_freq=-1 trainer.save_model_only=true
+fi
+
+if [[ ${COMPONENTS:-0} == 1 ]]; then
+python benchmarks/actor_paths.py --modes fp32 --samples $((BATCH * 5)) --prompt 340 --response 512 \
+    --optimizer-steps 2 --generate --repeats 1 --out $OUT/components.json
 fi
 
 python - $(for r in $RUNS; do echo $OUT/$r; done) <<'PY'

@@ -492,3 +492,21 @@ def _rank_main(fn, rank, world, tmp, args):
         with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
             f.write(f"rank {rank}:\n{traceback.format_exc()}")
         raise
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flop_count_parameters_by_hand(toy, tied):
+    """perf/mfu_actor's parameter counts from the config's shapes: body = per layer q, k, v (with biases), o, the
+    SwiGLU MLP and two norms, plus the final norm; the LM head vocab x hidden once, whether or not it is tied to
+    the input embedding (which is a lookup and not counted)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(toy["text_model"], tie_word_embeddings=tied)
+    hf = AutoModelForCausalLM.from_config(config)
+    h, i, layers, heads, kv = (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                               config.num_attention_heads, config.num_key_value_heads)
+    d = h // heads
+    per_layer = (h * h + h) + 2 * (h * kv * d + kv * d) + h * h + 3 * h * i + 2 * h
+    counts = actor.count_flops_params(hf, config)
+    assert counts == {"body": layers * per_layer + h, "head": config.vocab_size * h, "vision": 0,
+                      "attention": d * heads * layers}
