@@ -295,7 +295,8 @@ class VLLMRollout:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len or max_prompt_length + max_response_length,
             seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
-            logprobs_mode="processed_logprobs", **extra)  # log-probs after bias, temperature, top-k/p
+            logprobs_mode="processed_logprobs", trust_remote_code=getattr(cfg, "trust_remote_code", False),
+            **extra)  # log-probs after bias, temperature, top-k/p; trust_remote_code: handed over by the trainer
         self.llm.sleep(level=1)
         self.asleep, self.synced = {"weights", "kv_cache"}, False
 

@@ -117,3 +117,54 @@ def test_print_config_and_typo_on_the_command_line(capsys):
         trainer.main(["worker.rollout.temprature=1"])
     assert exit_info.value.code == 2
     assert "did you mean worker.rollout.temperature?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.rollout_batch_size=0", "data.rollout_batch_size=0 must be at least 1"),
+    ("worker.actor.global_batch_size=0", "worker.actor.global_batch_size=0 must be at least 1"),
+    ("data.mini_rollout_batch_size=0", "data.mini_rollout_batch_size=0 must be at least 1"),
+    ("trainer.max_steps=0", "trainer.max_steps=0 must be at least 1"),
+    ("data.val_batch_size=0", "data.val_batch_size=0 must be at least 1, or -1"),
+])
+def test_zero_sizes_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_worker_count_that_does_not_divide_the_batch_fails_at_load():
+    """6 workers: 512 x 5 = 2560 responses do not split evenly; found by load_config, before any data loads."""
+    with pytest.raises(ConfigError, match=re.escape("data.rollout_batch_size x worker.rollout.n = 2560 must be "
+                                                    "divisible by the 6 workers")):
+        load_config(None, ["trainer.n_gpus_per_node=6"])
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 must divide the 3 workers"):
+        load_config(None, ["trainer.n_gpus_per_node=3"])
+    load_config(None, ["trainer.n_gpus_per_node=3", "worker.rollout.name=hf", "data.rollout_batch_size=384",
+                       "worker.actor.global_batch_size=192"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("worker.actor.strategy=megatron", "worker.actor.strategy='megatron' is not one of ['fsdp']"),
+    ("worker.actor.fsdp.mp_buffer_dtype=bf16", "worker.actor.fsdp.mp_buffer_dtype=bf16: buffers"),
+    ("worker.ref.fsdp.mp_buffer_dtype=fp16", "worker.ref.fsdp.mp_buffer_dtype=fp16: buffers"),
+    ("worker.ref.fsdp.torch_dtype=fp32", "worker.ref.fsdp.torch_dtype=fp32: the reference stores its weights"),
+    ("worker.actor.fsdp.torch_dtype=fp64", "worker.actor.fsdp.torch_dtype='fp64' is not one of"),
+    ("trainer.logger=[console,neptune]", "trainer.logger has ['neptune']"),
+])
+def test_keys_that_were_silently_ignored_now_fail_with_a_message(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+    # the values that do what EasyR1 does load
+    load_config(None, ["worker.ref.fsdp.torch_dtype=bf16", "worker.actor.fsdp.mp_buffer_dtype=float32",
+                       "trainer.logger=[console,file,mlflow,swanlab]"])
+
+
+def test_bare_config_name_resolves_under_configs(capsys):
+    assert trainer.main(["--config", "geo3k.yaml", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["experiment_name"] == "qwen2_5_vl_7b_geo3k_grpo"
+    assert load_config("dapo").data.mini_rollout_batch_size == 128
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.main(["--config", "geo3k_typo.yaml"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no config file 'geo3k_typo.yaml'" in err
+    assert "geo3k.yaml" in err and "toy.yaml" in err  # it lists what there is

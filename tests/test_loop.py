@@ -1,0 +1,119 @@
+"""Fast tests of the driver's loop (trainer.Run) with fake workers, loaders and loggers: no Ray, no model.
+Every expected number is worked out by hand in the test."""
+
+import importlib.machinery
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import trainer
+from trainer import ConfigError, load_config
+
+
+class FakeLoader:
+    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
+        self.rows = 2048 if "train" in files else 601
+        self.batch_size, self.drop_last, self.trust_remote_code = batch_size, drop_last, trust_remote_code
+        self.batches_per_epoch = self.rows // batch_size
+
+    def __iter__(self):
+        return iter([])
+
+
+class FakeWorkers:
+    def __init__(self, cfg, training_steps):
+        self.training_steps = training_steps
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+    """Run.__init__ with the data loader, processor, reward function and workers replaced; records the calls."""
+    calls = {}
+
+    def load_processor(path, cfg, trust_remote_code=False):
+        calls["processor"] = trust_remote_code
+        return None, None
+
+    monkeypatch.setattr(trainer.data, "load_processor", load_processor)
+    monkeypatch.setattr(trainer.data, "PromptLoader", FakeLoader)
+    monkeypatch.setattr(trainer.reward, "load_reward_function", lambda name, **kw: None)
+    monkeypatch.setattr(trainer, "WorkerGroup", FakeWorkers)
+    return calls
+
+
+def make_run(tmp_path, *overrides):
+    cfg = load_config(None, [f"trainer.save_checkpoint_path={tmp_path}", "trainer.logger=[file]", *overrides])
+    return trainer.Run(cfg)
+
+
+def test_training_steps_count_rollout_batches_not_generation_rounds(tmp_path, fake_stages):
+    """2048 rows, EasyR1's formula: len(loader) x mini_rollout_batch_size // rollout_batch_size x total_epochs.
+    With rounds of 128 prompts and steps of 512: 16 x 128 // 512 x 15 = 60 steps (not 16 x 15 = 240)."""
+    run = make_run(tmp_path, "data.mini_rollout_batch_size=128")
+    assert run.train_loader.batch_size == 128 and run.train_loader.batches_per_epoch == 16
+    assert run.training_steps == 60 and run.workers.training_steps == 60
+    assert make_run(tmp_path).training_steps == 4 * 15  # 2048 // 512 batches a epoch
+    assert make_run(tmp_path, "data.mini_rollout_batch_size=128", "trainer.max_steps=7").training_steps == 7
+    assert make_run(tmp_path, "data.mini_rollout_batch_size=384", "data.rollout_batch_size=1024",
+                    "trainer.total_epochs=1").training_steps == 5 * 384 // 1024  # = 1
+    with pytest.raises(ConfigError, match="make no step of data.rollout_batch_size=4096"):
+        make_run(tmp_path, "data.mini_rollout_batch_size=512", "data.rollout_batch_size=4096")
+
+
+def test_trust_remote_code_reaches_processor_loaders_and_rollout(tmp_path, fake_stages, monkeypatch):
+    run = make_run(tmp_path, "worker.actor.model.trust_remote_code=true")
+    assert fake_stages["processor"] is True
+    assert run.train_loader.trust_remote_code is True and run.val_loader.trust_remote_code is True
+    # The worker hands the model's setting to the rollout engine (vLLM's LLM(trust_remote_code=...)).
+    seen = {}
+    monkeypatch.setattr(trainer.actor, "Actor", lambda cfg, role, **kw: seen.setdefault(role, cfg.model.trust_remote_code))
+    monkeypatch.setattr(trainer.rollout, "make_rollout", lambda cfg, path, **kw: seen.setdefault("rollout", cfg))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # setup sets them; restored after
+        monkeypatch.setenv(key, "0")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    trainer.Worker().setup(run.cfg, 0, 1, ("127.0.0.1", 0), "cpu", 10)
+    assert seen["actor"] is True and seen["ref"] is True and seen["rollout"].trust_remote_code is True
+    assert run.cfg.worker.rollout.name == "vllm" and not hasattr(run.cfg.worker.rollout, "trust_remote_code")
+
+
+# --- loggers -------------------------------------------------------------------------------------
+
+def fake_module(name, calls):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for fn in ("start_run", "log_params", "log_metrics", "end_run", "login", "init", "log", "finish"):
+        setattr(module, fn, lambda *a, _fn=fn, **kw: calls.append((name, _fn, a, kw)))
+    return module
+
+
+def test_mlflow_and_swanlab_loggers_log_every_step(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_module("mlflow", calls))
+    monkeypatch.setitem(sys.modules, "swanlab", fake_module("swanlab", calls))
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    cfg = load_config(None, ["trainer.logger=[file,mlflow,swanlab]", "trainer.experiment_name=exp"])
+    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger.log({"reward/overall": 0.5}, step=3)
+    logger.close()
+    names = [(m, f) for m, f, _, _ in calls]
+    assert names == [("mlflow", "start_run"), ("mlflow", "log_params"), ("swanlab", "init"),
+                     ("mlflow", "log_metrics"), ("swanlab", "log"), ("mlflow", "end_run"), ("swanlab", "finish")]
+    assert calls[0][3] == {"run_name": "exp"}
+    assert calls[1][2][0]["worker.rollout.n"] == 5  # the flat config, one parameter per key
+    assert calls[2][3]["mode"] == "offline" and calls[2][3]["experiment_name"] == "exp"
+    assert calls[3][2] == ({"reward/overall": 0.5},) and calls[3][3] == {"step": 3}
+    assert calls[4][2] == ({"reward/overall": 0.5},) and calls[4][3] == {"step": 3}
+
+
+@pytest.mark.parametrize("name", ["mlflow", "swanlab", "wandb", "tensorboard"])
+def test_missing_logger_package_is_a_one_line_error_before_anything_is_written(tmp_path, monkeypatch, name):
+    monkeypatch.setitem(sys.modules, name, None)  # find_spec then says: not installed
+    cfg = load_config(None, [f"trainer.logger=[file,{name}]"])
+    with pytest.raises(ConfigError, match=f"trainer.logger has {name}, but the {name} package is not installed: "
+                                          f"pip install {name}"):
+        trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    assert list(tmp_path.iterdir()) == []
