@@ -127,7 +127,7 @@ class Run:
     def fit(self):
         cfg, t = self.cfg, self.cfg.trainer
         metrics = {}
-        if t.val_before_train and self.step == 0 or t.val_only:
+        if t.val_before_train or t.val_only:  # also when resuming, as EasyR1
             metrics = self.validate()
             self.logger.log(metrics, self.step)
             if t.val_only:
@@ -140,7 +140,7 @@ class Run:
             except RuntimeError as error:  # a worker failed or died: say where, then stop
                 raise RuntimeError(f"training stopped at step {self.step}: {error}") from None
             last = self.step == self.training_steps
-            if t.val_freq > 0 and (self.step % t.val_freq == 0 or last):
+            if last or (t.val_freq > 0 and self.step % t.val_freq == 0):  # the last step always validates
                 with timer(metrics, "validation"):
                     metrics.update(self.validate())
             if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:

@@ -117,3 +117,58 @@ def test_missing_logger_package_is_a_one_line_error_before_anything_is_written(t
                                           f"pip install {name}"):
         trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the loop: when it validates ----------------------------------------------------------------
+
+class FakeLogger:
+    jsonl_path = "experiment_log.jsonl"
+
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics, step):
+        self.rows.append((step, sorted(k for k in metrics if k.startswith("val/"))))
+
+    def plot(self):
+        return None
+
+
+def bare_run(*overrides, step=0, training_steps=3):
+    """A Run without __init__: config, counters and a fake logger; methods are patched per test."""
+    run = trainer.Run.__new__(trainer.Run)
+    run.cfg = load_config(None, ["trainer.logger=[file]", *overrides])
+    run.step, run.training_steps, run.ckpt_root, run.logger = step, training_steps, "ckpt", FakeLogger()
+    return run
+
+
+def scripted_fit(run):
+    """fit() with train_step, validate and save_checkpoint replaced by recorders; -> (validated at, saved at)."""
+    validated, saved = [], []
+    run.train_step = lambda: {"reward/overall": 0.0}
+    run.validate = lambda: validated.append(run.step) or {"val/reward_score": 1.0}
+    run.save_checkpoint = lambda score: saved.append(run.step)
+    run.fit()
+    return validated, saved
+
+
+@pytest.mark.parametrize("overrides, step, validated, logged", [
+    # val_freq <= 0: before training and once at the end (EasyR1's final validation)
+    (["trainer.val_freq=-1"], 0, [0, 3], [(0, ["val/reward_score"]), (1, []), (2, []), (3, ["val/reward_score"])]),
+    (["trainer.val_freq=0", "trainer.val_before_train=false"], 0, [3], [(1, []), (2, []), (3, ["val/reward_score"])]),
+    # val_freq 2 over 3 steps: 0, 2 and the last
+    (["trainer.val_freq=2"], 0, [0, 2, 3], [(0, ["val/reward_score"]), (1, []), (2, ["val/reward_score"]),
+                                            (3, ["val/reward_score"])]),
+    # resumed at step 2 of 3: val_before_train validates the resumed weights too (logged at step 2), as EasyR1
+    (["trainer.val_freq=-1"], 2, [2, 3], [(2, ["val/reward_score"]), (3, ["val/reward_score"])]),
+])
+def test_validation_before_training_on_resume_and_at_the_end(overrides, step, validated, logged):
+    run = bare_run(*overrides, step=step)
+    assert scripted_fit(run)[0] == validated
+    assert run.logger.rows == logged
+
+
+def test_val_only_validates_once_and_trains_nothing():
+    run = bare_run("trainer.val_only=true", "trainer.val_before_train=false", step=2)
+    assert scripted_fit(run) == ([2], [])
+    assert run.step == 2
