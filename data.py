@@ -381,6 +381,8 @@ def load_rows(spec, cfg):
         if split is not None:
             raise DataError(f"'{spec}': a file has no splits; drop '@{split}' or point at the folder")
         parts = [(local, _read_file(local))]
+        if parts[0][1] is None:
+            raise DataError(f"{local} has no rows")
     else:
         split = split or "train"
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names
@@ -388,6 +390,12 @@ def load_rows(spec, cfg):
         if not files:
             raise DataError(f"'{spec}': no .parquet/.json/.jsonl file with '{split}' in its name under {local}")
         parts = [(f, _read_file(f)) for f in files]
+        for f, part in parts:
+            if part is None:
+                logger.warning(f"{f} has no rows; skipped")
+        parts = [(f, part) for f, part in parts if part is not None]
+        if not parts:
+            raise DataError(f"'{spec}' has no rows: every file with '{split}' in its name under {local} is empty")
     for name, part in parts:
         missing = [key for key in (cfg.prompt_key, cfg.answer_key) if key not in part.column_names]
         if missing:
@@ -400,10 +408,34 @@ def load_rows(spec, cfg):
 
 
 def _read_file(path):
+    """The file as a datasets.Dataset, or None when it has no rows (datasets' own errors on an empty file
+    name neither the file nor the cause)."""
     builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
     if builder is None:
         raise DataError(f"{path}: not a .parquet, .json or .jsonl file")
-    return datasets.load_dataset(builder, data_files=path, split="train")
+    if _has_no_rows(path):
+        return None
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as e:
+        raise DataError(f"{path}: not readable as a {os.path.splitext(path)[1]} file: {e!r}") from e
+
+
+def _has_no_rows(path):
+    """True for an empty file, a parquet file of zero rows, or a json/jsonl file that is blank or `[]`."""
+    if os.path.getsize(path) == 0:
+        return True
+    if path.endswith(".parquet"):
+        import pyarrow.parquet
+
+        try:
+            return pyarrow.parquet.read_metadata(path).num_rows == 0
+        except Exception:  # not parquet at all: datasets' error says so, with the file name added
+            return False
+    if os.path.getsize(path) > 4096:
+        return False
+    with open(path, "rb") as f:
+        return f.read().strip() in (b"", b"[]")
 
 
 def _local_path(path):

@@ -155,6 +155,26 @@ def test_every_local_source_form(tmp_path, monkeypatch, toy):
     assert len(data.load_rows(".toy/colors@test", cfg)) == 64
 
 
+def test_an_empty_file_has_no_rows(tmp_path):
+    """datasets itself fails on these with StopIteration, ArrowInvalid or "corresponds to no data"."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    pd.DataFrame({"problem": [], "answer": []}).to_parquet(tmp_path / "zero.parquet")
+    for name in ("empty.jsonl", "blank.jsonl", "list.json", "empty.parquet", "zero.parquet"):
+        with pytest.raises(data.DataError, match=rf"{tmp_path / name} has no rows$"):
+            data.load_rows(str(tmp_path / name), config())
+    # In a folder an empty shard is skipped; a folder of empty shards has no rows.
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "zero_train_full.parquet")
+    assert len(data.load_rows(f"{tmp_path}@zero", config())) == len(ROWS)
+    with pytest.raises(data.DataError, match="has no rows: every file with 'empty' in its name"):
+        data.load_rows(f"{tmp_path}@empty", config())
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(data.DataError, match="bad.parquet: not readable as a .parquet file"):
+        data.load_rows(str(tmp_path / "bad.parquet"), config())
+
+
 def test_hub_name_at_split_goes_to_load_dataset(monkeypatch, toy):
     """No network here: a hub id must reach datasets.load_dataset(name, split=...); the fake returns a
     dataset with an Image feature, as the hub's Geometry3K has, so rows carry PIL images."""
