@@ -548,32 +548,31 @@ class Actor:
             dist.barrier()
 
     def load_checkpoint(self, path):
-        """Load what save_checkpoint wrote, on any world size. A checkpoint without optim/ (save_model_only)
-        restores the weights and leaves the optimizer fresh."""
+        """Load what save_checkpoint wrote, on any world size. Every file is required (a save_model_only
+        checkpoint has no optim/ and cannot be resumed): a missing one raises FileNotFoundError, never a silent
+        fresh optimizer, LR schedule or RNG."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                              set_model_state_dict, set_optimizer_state_dict)
 
-        if not os.path.isdir(os.path.join(path, "model")):
-            raise FileNotFoundError(f"Actor.load_checkpoint: {path}/model is missing; expected the folder that "
-                                    "Actor.save_checkpoint wrote (global_step_N/actor)")
+        needed = ["model", "extra_state.pt"] + (["optim"] if self.optimizer is not None else [])
+        missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
+        if missing:
+            raise FileNotFoundError(f"Actor.load_checkpoint: {path} lacks {', '.join(missing)}; expected the folder "
+                                    "that Actor.save_checkpoint wrote (global_step_N/actor, not save_model_only)")
         state = get_model_state_dict(self.module)
         dcp.load(state, checkpoint_id=os.path.join(path, "model"))
         set_model_state_dict(self.module, state)
-        if self.optimizer is not None and os.path.isdir(os.path.join(path, "optim")):
+        if self.optimizer is not None:
             optim_state = get_optimizer_state_dict(self.module, self.optimizer)
             dcp.load(optim_state, checkpoint_id=os.path.join(path, "optim"))
             set_optimizer_state_dict(self.module, self.optimizer, optim_state)
-        elif self.optimizer is not None:
-            logger.warning("%s/optim is missing (a save_model_only checkpoint): the optimizer starts fresh", path)
-        extra_path = os.path.join(path, "extra_state.pt")
-        if os.path.exists(extra_path):
-            extra = torch.load(extra_path, weights_only=False)
-            self.optimizer_steps, self.total_optimizer_steps = extra["optimizer_steps"], extra["total_optimizer_steps"]
-            random.setstate(extra["rng"]["python"])
-            torch.set_rng_state(extra["rng"]["cpu"])
-            if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+        extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=False)
+        self.optimizer_steps, self.total_optimizer_steps = extra["optimizer_steps"], extra["total_optimizer_steps"]
+        random.setstate(extra["rng"]["python"])
+        torch.set_rng_state(extra["rng"]["cpu"])
+        if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
 
     # ------------------------------------------------------------------------------------------
     # The pieces of the passes
