@@ -171,7 +171,8 @@ class Run:
                 with timer(metrics, "ref"):
                     ref = self.workers.log_probs(samples, kind="ref")
             with timer(metrics, "adv"):
-                values = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)
+                raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)  # [N] the reward function's
+                values = raw  # [N] the rewards: the scores, minus beta x KL when KL is in the reward
                 for sample, lp in zip(samples, old):
                     sample["old_logprobs"] = lp
                 if use_ref:
@@ -193,7 +194,11 @@ class Run:
                                                    norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
                 for sample, a in zip(samples, adv.tolist()):
                     sample["advantage"] = a
-                metrics.update(advantage.advantage_metrics(values, adv, uids))
+                metrics.update(advantage.advantage_metrics(raw, adv, uids))  # critic/score/*, zero_std: raw scores
+                # EasyR1's returns: the rewards-to-go for remax and REINFORCE++ (per response: all of the reward),
+                # the advantages themselves for the group estimators
+                returns = values if cfg.algorithm.adv_estimator in ("remax", "reinforce_plus_plus") else adv
+                metrics.update({**_stats("critic/rewards", values.tolist()), **_stats("critic/returns", returns.tolist())})
             with timer(metrics, "update_actor"):
                 metrics.update(self.workers.update(samples))
         metrics.update(reward_metrics)
@@ -525,11 +530,13 @@ def _sample(prompt, response):
 
 
 def _batch_metrics(prompts, responses, samples, old, cfg, metrics):
-    max_len = cfg.data.max_response_length
+    """Lengths, rollout-vs-actor log-prob gap, throughput and timing per token (EasyR1's metrics.py: gen and
+    reward per response token, the passes over the batch per prompt + response token)."""
     lengths = [len(r["response_ids"]) for r in responses]
     out = _stats("response_length", lengths)
     out["response_length/clip_ratio"] = sum(r["finish_reason"] == "length" for r in responses) / len(responses)
     out.update(_stats("prompt_length", [len(p["prompt_ids"]) for p in prompts]))
+    out["prompt_length/clip_ratio"] = sum(len(p["prompt_ids"]) >= cfg.data.max_prompt_length for p in prompts) / len(prompts)
     diffs = torch.cat([(s["rollout_logprobs"] - lp.float()).abs() for s, lp in zip(samples, old) if len(lp)])
     if len(diffs):  # a broken weight sync shows up here first
         out.update({"rollout/logp_diff_mean": diffs.mean().item(), "rollout/logp_diff_max": diffs.max().item()})
@@ -537,9 +544,10 @@ def _batch_metrics(prompts, responses, samples, old, cfg, metrics):
     step_time = metrics.get("timing_s/step", 0.0)
     out.update({"perf/total_num_tokens": tokens, "perf/time_per_step": step_time,
                 "perf/throughput": tokens / max(step_time, 1e-9) / (cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)})
-    for stage in ("gen", "reward"):
+    for stage in ("gen", "reward", "old", "ref", "adv", "update_actor"):
         if f"timing_s/{stage}" in metrics:
-            out[f"timing_per_token_ms/{stage}"] = 1000 * metrics[f"timing_s/{stage}"] / max(sum(lengths), 1)
+            count = sum(lengths) if stage in ("gen", "reward") else tokens
+            out[f"timing_per_token_ms/{stage}"] = 1000 * metrics[f"timing_s/{stage}"] / max(count, 1)
     return out
 
 
@@ -863,6 +871,7 @@ class DataConfig:
     max_pixels: int = 4194304
     filter_overlong_prompts: bool = True
     filter_overlong_prompts_workers: int = 16
+    skip_bad_rows: bool = False
 
 
 @dataclass

@@ -172,3 +172,87 @@ def test_val_only_validates_once_and_trains_nothing():
     run = bare_run("trainer.val_only=true", "trainer.val_before_train=false", step=2)
     assert scripted_fit(run) == ([2], [])
     assert run.step == 2
+
+
+# --- one step: KL in the reward, metrics --------------------------------------------------------
+
+OLD = {1: [-1.0, -2.0], 2: [-0.5], 3: [-1.0], 4: [-1.0, -1.0]}  # response -> old log-probs (policy)
+REF = {1: [-1.5, -1.0], 2: [-0.5], 3: [-2.0], 4: [-1.0, -3.0]}  # response -> reference log-probs
+
+
+class StepWorkers:
+    """Log-probs by response id (the first response token); the update records the samples it was given."""
+
+    def __init__(self):
+        self.updated = None
+
+    def sync_weights(self):
+        pass
+
+    def log_probs(self, samples, kind):
+        table = OLD if kind == "old" else REF
+        return [torch.tensor(table[s["response_ids"][0]]) for s in samples]
+
+    def update(self, samples):
+        self.updated = samples
+        return {"actor/pg_loss": 0.0}
+
+
+def step_run(*overrides):
+    """Two prompts (uids a, b; prompt lengths 3 and 4) x two responses: ids 1, 2 for a, 3, 4 for b, with
+    response lengths 2, 1, 1, 2 and scores 1, 0, 1, 1 (group b has no spread in its raw scores)."""
+    run = bare_run("data.rollout_batch_size=2", "worker.actor.global_batch_size=2", "worker.rollout.n=2",
+                   "worker.rollout.name=hf", "trainer.n_gpus_per_node=1", "data.max_prompt_length=4", *overrides)
+    prompts = [{"uid": u, "prompt_ids": [7] * length, "position_ids": None, "multi_modal_inputs": {}}
+               for u, length in (("a", 3), ("b", 4))]
+    responses = [{"prompt_index": i // 2, "uid": "ab"[i // 2], "response_ids": [r] * len(OLD[r]),
+                  "logprobs": OLD[r], "finish_reason": "stop"} for i, r in enumerate((1, 2, 3, 4))]
+    scores = [{"overall": x} for x in (1.0, 0.0, 1.0, 1.0)]
+    run.make_batch = lambda metrics: (prompts, responses, scores, {"reward/overall": 0.75})
+    run.workers = StepWorkers()
+    a = run.cfg.algorithm
+    run.kl_ctrl = (trainer.advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
+                   else trainer.advantage.FixedKLController(a.kl_coef))
+    return run
+
+
+@pytest.mark.parametrize("kl_type, next_beta", [
+    ("fixed", 0.1),
+    # adaptive: e = clip(0.4375 / 0.1 - 1, -0.2, 0.2) = 0.2; beta <- 0.1 x (1 + 0.2 x 4 / 10000)
+    ("adaptive", 0.1 * (1 + 0.2 * 4 / 10000)),
+])
+def test_kl_in_the_reward_wiring(kl_type, next_beta):
+    """k1 between OLD and REF (old - ref, in that order) per token: sums -0.5, 0, 1, 2 for responses 1..4;
+    rewards = scores - 0.1 x sums = 1.05, 0, 0.9, 0.8; GRPO over (1.05, 0) and (0.9, 0.8)."""
+    run = step_run("algorithm.use_kl_loss=false", "algorithm.kl_penalty=kl", "algorithm.kl_coef=0.1",
+                   f"algorithm.kl_type={kl_type}", "algorithm.kl_target=0.1", "algorithm.kl_horizon=10000")
+    metrics = run.train_step()
+    a = 0.525 / (1.05 / math.sqrt(2) + 1e-6)  # (1.05 - 0.525) / (std + eps), std = 1.05 / sqrt(2) (unbiased)
+    b = 0.05 / (0.1 / math.sqrt(2) + 1e-6)
+    assert [s["advantage"] for s in run.workers.updated] == pytest.approx([a, -a, b, -b], abs=1e-6)
+    assert [s["uid"] for s in run.workers.updated] == ["a", "a", "b", "b"]
+    # current KL: mean over responses of each one's token-mean KL = (-0.25 + 0 + 1 + 1) / 4
+    assert metrics["actor/kl_penalty"] == pytest.approx(0.4375)
+    assert metrics["actor/kl_coef"] == pytest.approx(0.1)  # the beta this step used
+    assert run.kl_ctrl.value == pytest.approx(next_beta, rel=1e-12)
+    # raw scores vs KL-penalised rewards vs returns (= the GRPO advantages)
+    assert (metrics["critic/score/mean"], metrics["critic/score/max"], metrics["critic/score/min"]) == (0.75, 1.0, 0.0)
+    assert metrics["critic/rewards/mean"] == pytest.approx(2.75 / 4)
+    assert (metrics["critic/rewards/max"], metrics["critic/rewards/min"]) == pytest.approx((1.05, 0.0))
+    assert (metrics["critic/returns/max"], metrics["critic/returns/min"]) == pytest.approx((a, -a), abs=1e-6)
+    assert metrics["adv/zero_std_group_frac"] == 0.5  # group b's raw scores (1, 1) have no spread
+
+
+def test_step_metrics_lengths_and_timing_per_token():
+    run = step_run("algorithm.disable_kl=true")
+    m = run.train_step()
+    assert "actor/kl_penalty" not in m and m["critic/rewards/mean"] == m["critic/score/mean"] == 0.75
+    assert m["prompt_length/clip_ratio"] == 0.5  # prompt b has max_prompt_length = 4 tokens
+    assert m["response_length/clip_ratio"] == 0.0 and m["response_length/mean"] == 1.5
+    assert m["perf/total_num_tokens"] == 3 + 2 + 3 + 1 + 4 + 1 + 4 + 2
+    for stage, tokens in (("gen", 6), ("old", 20), ("adv", 20), ("update_actor", 20)):  # reward: in make_batch
+        assert m[f"timing_per_token_ms/{stage}"] == pytest.approx(1000 * m[f"timing_s/{stage}"] / tokens), stage
+    # ReMax and REINFORCE++ returns are the rewards themselves (one per response), not the advantages
+    run = step_run("algorithm.disable_kl=true", "algorithm.adv_estimator=reinforce_plus_plus")
+    m = run.train_step()
+    assert (m["critic/returns/mean"], m["critic/returns/max"], m["critic/returns/min"]) == (0.75, 1.0, 0.0)
