@@ -53,6 +53,8 @@ Differences from EasyR1 (and why):
 - Checkpoints use torch.distributed.checkpoint (resumable on another world size); EasyR1 saved
   one file per rank and needed the same world size.
 - `perf/mfu_actor` knows the H200 (EasyR1 matched "H20" first and used the H20's peak).
+- `adamw_bf16` (Kahan-compensated, as EasyR1's AnyPrecisionAdamW) sends weight decay through the compensation
+  too; EasyR1 multiplied the bf16 weights by 1 - lr wd in place, which rounds to nothing at lr 1e-6.
 The objective (first section below):
 - `pg_clipfrac_higher` counts the UPPER clip only (A > 0 and r > 1 + clip_ratio_high). EasyR1's
   metric of that name counted every token where the clip bound, on both sides, despite the name.
@@ -378,6 +380,11 @@ class Actor:
             if o.strategy == "adamw_bf16":
                 self.optimizer = AdamWBF16(groups, lr=o.lr, betas=tuple(o.betas))
             else:
+                if master != torch.float32 and self.rank == 0:
+                    logger.warning("actor: fsdp.torch_dtype=%s with optim.strategy=adamw rounds every step into the "
+                                   "weights: steps below half their spacing (lr 1e-6 on weights of 0.02) are lost; "
+                                   "use optim.strategy=adamw_bf16 (compensated) or torch_dtype=null (fp32)",
+                                   cfg.fsdp.torch_dtype)
                 fused = self.device.type == "cuda" and not offloaded
                 self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=fused or None)
 
@@ -1132,7 +1139,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 del g
                 u = m32.div_(v32.div_(1 - b2 ** t).sqrt_().add_(eps)).mul_(-lr / (1 - b1 ** t))
                 del v32
-                s = x.float()
+                s = x.to(torch.float32, copy=True)
                 u.add_(s, alpha=-lr * wd).add_(c)
                 s.add_(u)
                 x.copy_(s)
