@@ -15,7 +15,7 @@ What the trainer calls:
     state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
 
 Pieces, usable alone: load_rows(spec, cfg) -> Rows; PromptBuilder(cfg, processor, model_path) with
-.build(row, index, where) -> prompt and .measure(row, where) -> length; kept_rows(rows, builder);
+.build(row, index, where) -> prompt and .measure(row, where) -> length; check_rows(rows, builder, workers);
 process_image(image, min_pixels, max_pixels) -> PIL.Image. Bad input raises DataError (a ValueError)
 that names the file and row.
 
@@ -35,9 +35,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py):
 
 Config attributes read (DataConfig in trainer.py, documented in configs/geo3k.yaml): prompt_key,
 answer_key, image_key, video_key, image_dir, max_prompt_length, format_prompt, override_chat_template,
-system_prompt, seed, min_pixels, max_pixels, filter_overlong_prompts. The files, batch sizes and shuffle
-come as arguments. Not read: filter_overlong_prompts_workers (measuring needs no pixel decoding: about
-1 ms a row in one process), video_fps (no video here).
+system_prompt, seed, min_pixels, max_pixels, filter_overlong_prompts, filter_overlong_prompts_workers,
+skip_bad_rows. The files, batch sizes and shuffle come as arguments. Not read: video_fps (no video here).
 Relative paths (sources, templates) are tried from the working directory, then from this file's folder.
 
 Differences from EasyR1 (and why):
@@ -46,8 +45,10 @@ Differences from EasyR1 (and why):
   (EasyR1 processed them three times, trusting the three to match).
 - A prompt longer than max_prompt_length is an error naming the row when filtering is off, never a
   silent right-truncation (which cut through image tokens: "Image features and image tokens do not match").
-- The length filter counts text tokens plus image tokens from the image *size* through the processor's
-  own resize arithmetic, without decoding pixels (EasyR1 ran the full processor over every row).
+- Every row is checked at start-up, filter or not, images decoded (a bad row fails at once, naming it, or
+  is skipped and counted with data.skip_bad_rows, a key EasyR1 lacks). The length counts text tokens plus
+  image tokens from the image size through the processor's own resize arithmetic, without resizing or
+  running the processor (EasyR1 ran the full processor over every row, and only when filtering).
 - Prompts are built lazily per batch, ragged: no padding, no attention mask.
 - Optional system prompt. A missing format_prompt/override_chat_template file is an error naming the
   path (EasyR1 silently ignored it). configs/format/dapo.jinja has real newlines, not literal "\\n".
@@ -60,6 +61,7 @@ import bisect
 import io
 import logging
 import math
+import multiprocessing
 import os
 
 import datasets
@@ -95,7 +97,8 @@ def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
 class PromptLoader:
     """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for.
 
-    At start-up: load_rows(files); with filter_overlong_prompts, kept_rows drops the overlong rows.
+    At start-up: load_rows(files), then check_rows measures every row (bad rows fail here, not mid-run) and,
+    with filter_overlong_prompts, drops the overlong ones.
     Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e)
     (in file order without shuffle), cut into batches of `batch_size` (-1 = all rows in one batch);
     drop_last drops the short tail. The position is (current_epoch, batch): state_dict() saves it and
@@ -105,8 +108,7 @@ class PromptLoader:
     def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
         self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
         self.rows = load_rows(files, cfg)
-        self.indices = (kept_rows(self.rows, self.builder) if cfg.filter_overlong_prompts
-                        else list(range(len(self.rows))))
+        self.indices = check_rows(self.rows, self.builder, cfg.filter_overlong_prompts_workers, cfg.skip_bad_rows)
         self.batch_size = len(self.indices) if batch_size == -1 else batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, cfg.seed, drop_last
         self.current_epoch, self.batch = 0, 0  # the position of the next batch
@@ -163,18 +165,73 @@ class PromptLoader:
         return batch
 
 
-def kept_rows(rows, builder):
-    """Indices of the rows whose expanded prompt fits max_prompt_length; the count dropped goes to the log.
-    Every row is measured (so every bad row is also found here, at start-up), but no pixel is decoded."""
-    limit = builder.cfg.max_prompt_length
-    kept = [i for i in range(len(rows)) if builder.measure(rows[i], rows.where(i)) <= limit]
-    dropped = len(rows) - len(kept)
-    (logger.warning if dropped else logger.info)(
-        f"{rows.name}: dropped {dropped} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
-        f"(image tokens included){'; raise max_prompt_length or lower max_pixels to keep them' if dropped else ''}")
+def check_rows(rows, builder, workers=1, skip_bad=False):
+    """Indices of the rows to train on. Every row is measured at start-up, its images decoded, so a bad row
+    fails here and not mid-run (and again on every resume):
+      - a bad row (unreadable image, null answer, empty prompt, placeholder count mismatch): DataError naming
+        the file and row, or with skip_bad (data.skip_bad_rows) skipped and counted in the log;
+      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts; without it a
+        DataError naming the row (skipped and counted with skip_bad).
+    `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
+    cfg = builder.cfg
+    limit = cfg.max_prompt_length
+    lengths = _measure_rows(rows, builder, workers)  # per row: its length, or the error message of a bad row
+    bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
+    overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
+    if bad and not skip_bad:
+        raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
+    if overlong and not cfg.filter_overlong_prompts:
+        if not skip_bad:
+            raise DataError(_overlong(rows.where(overlong[0]), lengths[overlong[0]], limit))
+        for i in overlong:
+            lengths[i] = _overlong(rows.where(i), lengths[i], limit)
+        bad, overlong = sorted(bad + overlong), []
+    if bad:
+        logger.warning(f"{rows.name}: skipped {len(bad)} of {len(rows)} bad rows (data.skip_bad_rows); the first: "
+                       + " | ".join(lengths[i] for i in bad[:3]))
+    if cfg.filter_overlong_prompts:
+        (logger.warning if overlong else logger.info)(
+            f"{rows.name}: dropped {len(overlong)} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
+            f"(image tokens included){'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
+    skipped = set(bad) | set(overlong)
+    kept = [i for i in range(len(rows)) if i not in skipped]
     if not kept:
-        raise DataError(f"{rows.name}: every row is longer than max_prompt_length={limit}")
+        raise DataError(f"{rows.name}: no row is left: {len(overlong)} longer than max_prompt_length={limit}, "
+                        f"{len(bad)} bad")
     return kept
+
+
+def _measure_rows(rows, builder, workers):
+    """[builder.measure(row) or the DataError's message] for every row, in `workers` forked processes."""
+    global _MEASURING
+    workers = max(1, min(workers, len(rows)))
+    if workers == 1:
+        return [_measure_row(rows, builder, i) for i in range(len(rows))]
+    _MEASURING = (rows, builder)  # inherited by the forked workers: nothing is pickled but the indices
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return pool.map(_measure_in_worker, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
+    finally:
+        _MEASURING = None
+
+
+_MEASURING = None
+
+
+def _measure_in_worker(i):
+    return _measure_row(*_MEASURING, i)
+
+
+def _measure_row(rows, builder, i):
+    try:
+        return builder.measure(rows[i], rows.where(i))
+    except DataError as e:
+        return str(e)
+
+
+def _overlong(where, length, limit):
+    return (f"{where}: the prompt is {length} tokens with images expanded, more than max_prompt_length={limit}; "
+            "set filter_overlong_prompts: true to drop such rows, or raise max_prompt_length, or lower max_pixels")
 
 
 class PromptBuilder:
@@ -229,9 +286,7 @@ class PromptBuilder:
                 multi_modal_inputs = {"pixel_values": out["pixel_values"],       # [patches, dim]
                                       "image_grid_thw": out["image_grid_thw"]}   # [n_images, 3]
         if len(ids) > cfg.max_prompt_length:
-            raise DataError(f"{where}: the prompt is {len(ids)} tokens with images expanded, more than "
-                            f"max_prompt_length={cfg.max_prompt_length}; set filter_overlong_prompts: true to "
-                            "drop such rows, or raise max_prompt_length, or lower max_pixels")
+            raise DataError(_overlong(where, len(ids), cfg.max_prompt_length))
         position_ids = torch.arange(len(ids)).unsqueeze(0)  # [1, P]
         if self.rope_model is not None:
             mrope, _ = self.rope_model.get_rope_index(  # mm_token_type_ids: text 0, image 1, video 2
@@ -239,9 +294,7 @@ class PromptBuilder:
                 image_grid_thw=multi_modal_inputs.get("image_grid_thw"),
                 attention_mask=torch.ones_like(ids).unsqueeze(0))  # [3, 1, P]
             position_ids = torch.cat([position_ids, mrope[:, 0].to(position_ids.dtype)])  # [4, P]
-        answer = row.get(cfg.answer_key)
-        if answer is None:
-            raise DataError(f"{where}: no answer in column '{cfg.answer_key}'")
+        answer = self.answer(row, where)
         skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "multi_modal_inputs": multi_modal_inputs,
@@ -249,14 +302,17 @@ class PromptBuilder:
                 "extra": {k: v for k, v in row.items() if k not in skip}}
 
     def measure(self, row, where):
-        """The length build() will give, cheaply: tokens of the unexpanded text plus, per image, its token
-        count minus the one placeholder. Image tokens come from the image size (PIL reads only the header)
-        after process_image's resize, through the image processor's own get_number_of_image_patches."""
+        """The length build() will give, checking the row on the way (answer, placeholders, every image decoded
+        once: a truncated body fails here). Tokens of the unexpanded text plus, per image, its token count
+        minus the one placeholder, from the size after process_image's resize through the image processor's
+        own get_number_of_image_patches (no resize, no processor call)."""
         text, images = self.prompt_text(row, where)
+        self.answer(row, where)
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         for k, image in enumerate(images):
             try:
                 opened = _open_image(image, self.cfg.image_dir)
+                opened.load()
                 width, height = _target_size(*opened.size, self.cfg.min_pixels, self.cfg.max_pixels)
                 if opened is not image:
                     opened.close()
@@ -265,6 +321,12 @@ class PromptBuilder:
             patches = self.image_processor.get_number_of_image_patches(height, width, {})
             n += patches // self.image_processor.merge_size ** 2 - 1
         return n
+
+    def answer(self, row, where):
+        answer = row.get(self.cfg.answer_key)
+        if answer is None:
+            raise DataError(f"{where}: no answer in column '{self.cfg.answer_key}'")
+        return answer
 
     def prompt_text(self, row, where):
         """(chat-templated text with one image placeholder per image, the row's images unopened).

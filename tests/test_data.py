@@ -375,15 +375,48 @@ def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, t
     assert filtered.indices == [i for i, n in enumerate(lengths) if n <= limit]
     assert f"dropped {dropped} of 12 rows longer than max_prompt_length={limit}" in caplog.text
     assert all(len(p["prompt_ids"]) <= limit for p in next(filtered))
-    # Filtering off: a too-long row is an error naming the file and row, never a silent cut.
-    unfiltered = loader(toy["vl_model"], path, config(max_prompt_length=limit, filter_overlong_prompts=False),
-                        batch_size=-1, shuffle=False)
+    # Filtering off: a too-long row is an error naming the file and row at start-up, never a silent cut;
+    # with skip_bad_rows it is skipped and counted instead.
+    unfiltered = config(max_prompt_length=limit, filter_overlong_prompts=False)
     first_long = next(i for i, n in enumerate(lengths) if n > limit)
     with pytest.raises(data.DataError, match=rf"mix.parquet row {first_long}: the prompt is {lengths[first_long]} "
                                              rf"tokens with images expanded, more than max_prompt_length={limit}"):
-        next(unfiltered)
-    with pytest.raises(data.DataError, match="every row is longer"):
-        data.kept_rows(source, builder(toy["vl_model"], config(max_prompt_length=5)))
+        loader(toy["vl_model"], path, unfiltered, batch_size=-1, shuffle=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data"):
+        skipping = loader(toy["vl_model"], path, replace(unfiltered, skip_bad_rows=True), batch_size=-1, shuffle=False)
+    assert skipping.indices == filtered.indices
+    assert f"skipped {dropped} of 12 bad rows (data.skip_bad_rows); the first: " in caplog.text
+    assert f"mix.parquet row {first_long}: the prompt is {lengths[first_long]} tokens" in caplog.text
+    with pytest.raises(data.DataError, match="no row is left: 12 longer than max_prompt_length=5"):
+        data.check_rows(source, builder(toy["vl_model"], config(max_prompt_length=5)))
+
+
+def test_rows_are_measured_in_filter_overlong_prompts_workers_processes(tmp_path, toy, vl, monkeypatch):
+    """data.filter_overlong_prompts_workers processes measure the rows (EasyR1: datasets' filter num_proc),
+    with the same result as one process, bad rows included."""
+    rows = [{"problem": "<image>" * (i % 2) + "What is" + " 3 + 4" * i + "?", "answer": "7",
+             "images": [{"bytes": png(56 + 10 * i, 56), "path": None}] * (i % 2)} for i in range(12)]
+    rows[5]["answer"] = None
+    pd.DataFrame(rows).to_parquet(tmp_path / "w.parquet")
+    source = data.load_rows(str(tmp_path / "w.parquet"), config())
+    measure = data.PromptBuilder.measure
+
+    def measure_and_record(self, row, where):
+        with open(tmp_path / f"pid-{os.getpid()}", "a") as f:
+            f.write(where + "\n")
+        return measure(self, row, where)
+
+    monkeypatch.setattr(data.PromptBuilder, "measure", measure_and_record)
+    one = data.check_rows(source, vl, workers=1, skip_bad=True)
+    assert [p.name for p in tmp_path.glob("pid-*")] == [f"pid-{os.getpid()}"]
+    (tmp_path / f"pid-{os.getpid()}").unlink()
+    assert data.check_rows(source, vl, workers=3, skip_bad=True) == one == [i for i in range(12) if i != 5]
+    measured = {p.name: p.read_text().split("\n")[:-1] for p in tmp_path.glob("pid-*")}
+    assert len(measured) == 3 and f"pid-{os.getpid()}" not in measured
+    assert sorted(w for ws in measured.values() for w in ws) == sorted(source.where(i) for i in range(12))
+    with pytest.raises(data.DataError, match="w.parquet row 5: no answer in column 'answer' .*skip_bad_rows"):
+        data.check_rows(source, vl, workers=3)
 
 
 # --------------------------------------------------------------------------------------------- loader
@@ -436,6 +469,16 @@ def test_loader_epochs_shuffle_and_exact_resume(tmp_path, toy):
 
 # ------------------------------------------------------------------------------------------ bad input
 
+def _truncated_png():
+    """A noisy PNG cut in the middle of its pixel data: the header (and so the size) still reads."""
+    buf = io.BytesIO()
+    Image.effect_noise((64, 64), 60).convert("RGB").save(buf, format="PNG")
+    raw = buf.getvalue()
+    assert Image.open(io.BytesIO(raw[:len(raw) // 2])).size == (64, 64)
+    return raw[:len(raw) // 2]
+
+
+TRUNCATED = _truncated_png()
 BAD_ROWS = {
     "unreadable image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": b"not a png", "path": None}]},
                          "image 0 of column 'images' is unreadable"),
@@ -450,6 +493,8 @@ BAD_ROWS = {
     "video": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": ["clip.mp4"]},
               "video input is not supported in this install"),
     "null answer": ({"problem": "Q?", "answer": None, "images": []}, "no answer in column 'answer'"),
+    "truncated image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": TRUNCATED, "path": None}]},
+                        "image 0 of column 'images' is unreadable: .*truncated"),
 }
 
 
@@ -466,9 +511,10 @@ def test_bad_row_is_an_error_naming_file_and_row(case, tmp_path, vl):
     pattern = rf"{path.name} row 1: .*{message}"
     with pytest.raises(data.DataError, match=pattern):
         vl.build(rows[1], 1, rows.where(1))
-    if case not in ("null answer",):  # the length filter meets the same rows at start-up
-        with pytest.raises(data.DataError, match=pattern):
-            data.kept_rows(rows, vl)
+    # The start-up check meets the same rows, before any batch: an error naming the row, or a counted skip.
+    with pytest.raises(data.DataError, match=pattern):
+        data.check_rows(rows, vl)
+    assert data.check_rows(rows, vl, skip_bad=True) == [0]
 
 
 def test_missing_column_and_images_for_a_text_model(tmp_path, toy):
