@@ -294,8 +294,7 @@ class Actor:
                           is null: micro_batch_size_per_device_for_update (experience for the reference) x sum;
                           max_response_length is also Dr. GRPO's constant length (loss_avg_mode=seq_sum_norm)
         n_per_prompt      responses per prompt: a mini-batch is global_batch_size x n_per_prompt samples
-        training_steps    trainer steps; the LR schedule spans training_steps x optimizer steps per update
-                          (mini-batches x ppo_epochs, known at the first update)
+        training_steps    trainer steps: the length of the LR schedule, which steps once per update (EasyR1)
         use_kl_loss, kl_coef, kl_penalty   the KL loss term (algorithm section)
 
     Weights: the actor keeps fp32 master weights (fsdp.torch_dtype, default fp32) and computes in
@@ -321,9 +320,6 @@ class Actor:
         self.compute_dtype = DTYPES[cfg.fsdp.mp_param_dtype]
         master = DTYPES[cfg.fsdp.torch_dtype or "fp32"] if role == "actor" else self.compute_dtype
         self.lora_rank = cfg.model.lora.rank if role == "actor" else 0
-        if cfg.offload.offload_params:
-            raise NotImplementedError("worker.actor.offload.offload_params is not supported with FSDP2 here; use "
-                                      "worker.actor.fsdp.enable_cpu_offload=true (parameters live on the CPU)")
         if cfg.use_torch_compile:
             logger.warning("worker.actor.use_torch_compile is ignored: the log-prob head runs eagerly")
 
@@ -367,11 +363,17 @@ class Actor:
             self.hf.to(self.device)
         del full_state
         offloaded = self.sharded and cfg.fsdp.enable_cpu_offload and self.device.type == "cuda"
-        self.offload_optimizer = cfg.offload.offload_optimizer and not offloaded  # offloaded: already on the CPU
+        # offload.*: parameters / optimizer state wait on the CPU between the passes that need them (onload, offload).
+        movable = self.device.type == "cuda" and not offloaded
+        self.offload_params = cfg.offload.offload_params and movable
+        self.offload_optimizer = cfg.offload.offload_optimizer and movable and role == "actor"
+        if (cfg.offload.offload_params or cfg.offload.offload_optimizer) and not movable and self.rank == 0:
+            logger.warning("%s: offload.offload_params / offload_optimizer do nothing: the parameters already live on "
+                           "the CPU (%s)", role, "device cpu" if self.device.type == "cpu" else "fsdp.enable_cpu_offload")
         self.autocast = (not self.sharded and self.compute_dtype != master)
 
         # 3. Optimizer (AdamW, no weight decay on 1-D parameters: norms and biases).
-        self.optimizer, self.optimizer_steps, self.total_optimizer_steps = None, 0, None
+        self.optimizer, self.optimizer_steps, self.lr_scheduler = None, 0, None
         if role == "actor":
             o = cfg.optim
             params = [p for p in self.module.parameters() if p.requires_grad]
@@ -387,6 +389,8 @@ class Actor:
                                    cfg.fsdp.torch_dtype)
                 fused = self.device.type == "cuda" and not offloaded
                 self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=fused or None)
+            self.lr_scheduler = lr_schedule(self.optimizer, o, training_steps)
+        self.offload()  # as EasyR1: the rollout engine, built next, finds the memory free
 
     # ------------------------------------------------------------------------------------------
     # The three passes: log-probs, update, weights out
@@ -407,6 +411,7 @@ class Actor:
         logps, entropies = [None] * len(samples), [None] * len(samples)
         adapters = self.module.disable_adapter() if disable_adapter and self.lora_rank else contextlib.nullcontext()
         modalities = self._modalities(samples)
+        self.onload()
         with adapters:
             for mini in self._chunks(len(samples), chunk):
                 for part in self._plan([samples[i] for i in mini], kind):
@@ -417,6 +422,7 @@ class Actor:
                     ent = ent.float().cpu().split(batch["resp_lens"]) if with_entropy else [None] * len(logp)
                     for i, lp, en in zip(idx, logp, ent):
                         logps[i], entropies[i] = lp, en
+        self.offload()
         return (logps, entropies) if with_entropy else logps
 
     def update(self, samples):
@@ -446,10 +452,7 @@ class Actor:
                              f"mini-batch size {mini_size} (worker.actor.global_batch_size={c.global_batch_size} x "
                              f"n={self.n_per_prompt} / {self.world} ranks)")
         minis = self._chunks(len(samples), mini_size)
-        if self.offload_optimizer:
-            self._move_optimizer_state(self.device)
-        if self.total_optimizer_steps is None:
-            self.total_optimizer_steps = self.training_steps * len(minis) * c.ppo_epochs
+        self.onload(optimizer=True)
         modalities = self._modalities(samples)
         use_rollout = c.tis_cap is not None or bool(self._all_ranks(
             [all("rollout_logprobs" in s for s in samples)], "min")[0])
@@ -491,8 +494,7 @@ class Actor:
                 grad_norms.append(norm)
                 skipped += not math.isfinite(norm)
 
-        if self.offload_optimizer:  # moments off the GPU until the next update (room for the rollout)
-            self._move_optimizer_state(torch.device("cpu"))
+        self.offload()
         steps = len(minis) * c.ppo_epochs
         names = sorted(sums)
         totals = self._all_ranks([float(sums[n]) for n in names] + [tokens])
@@ -501,8 +503,9 @@ class Actor:
                for n, v in zip(names, totals)}
         finite = [g for g in grad_norms if math.isfinite(g)]
         out.update({"actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-                    "actor/lr": self.optimizer.param_groups[0]["lr"], "actor/skipped_steps": float(skipped),
+                    "actor/lr": self.lr_scheduler.get_last_lr()[0], "actor/skipped_steps": float(skipped),
                     "actor/tokens": totals[-1] / c.ppo_epochs})
+        self.lr_scheduler.step()  # once per training step, after its update (EasyR1)
         if self.device.type == "cuda":
             elapsed = time.perf_counter() - start
             out["perf/mfu_actor"] = flops / elapsed / (peak_tflops(self.device) * 1e12)
@@ -536,7 +539,7 @@ class Actor:
     def save_checkpoint(self, path, model_only=False):
         """Write `path`/model (DCP, the state dict of the HF model, or of the peft model with LoRA: base +
         adapter names), `path`/optim (DCP; not with model_only), `path`/extra_state.pt (optimizer step
-        count, LR schedule length, RNG of rank 0) and `path`/huggingface/ (config, generation config,
+        count, LR scheduler state, RNG of rank 0) and `path`/huggingface/ (config, generation config,
         tokenizer and processor from the model path; adapter_config.json with LoRA)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -548,8 +551,9 @@ class Actor:
         if self.rank == 0:
             rng = {"python": random.getstate(), "cpu": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-            torch.save({"optimizer_steps": self.optimizer_steps, "total_optimizer_steps": self.total_optimizer_steps,
-                        "rng": rng}, os.path.join(path, "extra_state.pt"))
+            torch.save({"optimizer_steps": self.optimizer_steps, "rng": rng,
+                        "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
+                       os.path.join(path, "extra_state.pt"))
             save_hf_files(self.cfg.model, os.path.join(path, "huggingface"), self.module if self.lora_rank else None)
         if self.sharded:
             dist.barrier()
@@ -575,7 +579,9 @@ class Actor:
             dcp.load(optim_state, checkpoint_id=os.path.join(path, "optim"))
             set_optimizer_state_dict(self.module, self.optimizer, optim_state)
         extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=False)
-        self.optimizer_steps, self.total_optimizer_steps = extra["optimizer_steps"], extra["total_optimizer_steps"]
+        self.optimizer_steps = extra["optimizer_steps"]
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         random.setstate(extra["rng"]["python"])
         torch.set_rng_state(extra["rng"]["cpu"])
         if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
@@ -592,11 +598,12 @@ class Actor:
             return self.hf.packed_forward(batch, self.temperature, with_entropy, modalities, self.dummy_vision)
 
     def _optimizer_step(self):
-        """Clip the global gradient norm, step (unless it is not finite), advance the LR schedule; -> the norm."""
-        norm = clip_grad_norm(self.module.parameters(), self.cfg.max_grad_norm, self.device, self.fsdp_group)
-        lr = lr_at(self.cfg.optim, self.optimizer_steps, self.total_optimizer_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """Clip the global gradient norm to max_grad_norm (torch's clip_grad_norm_, which reduces the norm of
+        FSDP2's sharded DTensor gradients over the ranks), step unless it is not finite; -> the norm before
+        clipping. The learning rate is the schedule's for this training step (stepped once per update)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or math.inf)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
         if math.isfinite(norm):
             self.optimizer.step()
         else:
@@ -606,11 +613,29 @@ class Actor:
         self.optimizer_steps += 1
         return norm
 
+    def onload(self, optimizer=False):
+        """Parameters (offload.offload_params) and, with `optimizer`, optimizer state (offload.offload_optimizer) to
+        the device for a pass. A no-op for what is not offloaded. compute_log_probs and update call it themselves."""
+        if self.offload_params:
+            self.module.to(self.device)  # FSDP2 moves its DTensor shards (FSDPModule._apply reshards, then re-pads)
+        if optimizer and self.offload_optimizer:
+            self._move_optimizer_state(self.device)
+
+    def offload(self):
+        """After a pass: offloaded parameters (with any gradients) and optimizer state to the CPU, and the freed
+        device memory back to the driver, where the rollout engine takes it while it generates."""
+        if self.offload_params:
+            self.module.to("cpu")
+        if self.offload_optimizer:
+            self._move_optimizer_state(torch.device("cpu"))
+        if self.offload_params or self.offload_optimizer:
+            torch.cuda.empty_cache()
+
     def _move_optimizer_state(self, device):
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value):
-                    state[key] = value.to(device, non_blocking=True)
+                    state[key] = value.to(device)
 
     def _plan(self, samples, kind):
         """Micro-batches of a mini-batch for the `kind` ("update" / "experience") pass: lists of indices,
@@ -1146,35 +1171,20 @@ class AdamWBF16(torch.optim.Optimizer):
                 c.copy_(s.sub_(x))
 
 
-def lr_at(optim_cfg, step, total):
-    """Learning rate of optimizer step `step` (0-based): linear warmup lr (step + 1) / W over W steps
-    (lr_warmup_steps, else lr_warmup_ratio x total), then constant or cosine down to min_lr_ratio x lr."""
-    total = max(1, total or 1)
-    warmup = optim_cfg.lr_warmup_steps if optim_cfg.lr_warmup_steps is not None else \
-        int(optim_cfg.lr_warmup_ratio * total)
-    if step < warmup:
-        return optim_cfg.lr * (step + 1) / warmup
+def lr_schedule(optimizer, optim_cfg, training_steps):
+    """EasyR1's learning-rate schedule over TRAINING steps, stepped once after each update: at step t (0-based)
+    lr x t / W during the warm-up of W = lr_warmup_steps (else int(lr_warmup_ratio x training_steps)) steps,
+    so the first step runs at 0 when W > 0; then constant, or cosine down to m = min_lr_ratio (default 0):
+    lr x (m + (1 - m) (1 + cos(pi (t - W) / (training_steps - W))) / 2). transformers' schedulers."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
+
+    warmup = optim_cfg.lr_warmup_steps
+    if warmup is None:
+        warmup = int(optim_cfg.lr_warmup_ratio * training_steps)
     if optim_cfg.lr_scheduler_type == "cosine":
-        floor = optim_cfg.min_lr_ratio or 0.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return optim_cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-    return optim_cfg.lr
-
-
-def clip_grad_norm(params, max_norm, device, group=None):
-    """Scale gradients so their global L2 norm is at most max_norm; -> the norm before clipping (a float,
-    nan / inf when not finite, then nothing is scaled). Works on FSDP2 shards (also offloaded to the CPU)."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    square = sum((g.float().pow(2).sum().to(device) for g in grads), torch.zeros((), device=device))
-    if group is not None:
-        comm = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        square = square.to(comm)
-        dist.all_reduce(square, group=group)
-    norm = square.sqrt().item()
-    if math.isfinite(norm) and max_norm and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, training_steps,
+                                                           min_lr_rate=optim_cfg.min_lr_ratio or 0.0)
+    return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
 # ----------------------------------------------------------------------------------------------

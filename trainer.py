@@ -22,9 +22,10 @@ Differences from EasyR1 (and why):
 - Online filtering also drops groups without spread (their GRPO advantages are all 0); EasyR1 kept an
   all-wrong but well-formatted group whose mean passed the thresholds.
 - Rollout seeds mix (seed, step, rank): a fresh, reproducible stream every step.
-- Logs are appended on resume (EasyR1 truncated them); the checkpoint tracker is written last and
-  atomically, so a crash during a save resumes from the previous checkpoint; checkpoints resume on any
-  number of workers; `save_model_only` checkpoints refuse to resume with a clear message.
+- Logs are appended on resume (EasyR1 truncated them), cut back to the checkpoint resumed from, so each
+  step's row is there once after any crash; the checkpoint tracker is written last and atomically, and a
+  resume checks every file of a checkpoint first, falling back to the newest complete one; checkpoints
+  resume on any number of workers; `save_model_only` checkpoints refuse to resume with a clear message.
 - The adaptive KL coefficient is saved and restored with the checkpoint.
 """
 
@@ -144,9 +145,9 @@ class Run:
                 with timer(metrics, "validation"):
                     metrics.update(self.validate())
             if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
-                with timer(metrics, "save_checkpoint"):
-                    self.save_checkpoint(metrics.get("val/reward_score"))
-            self.logger.log(metrics, self.step)
+                self.save_checkpoint(metrics)  # logs this step's row before the checkpoint is complete
+            else:
+                self.logger.log(metrics, self.step)
             bar.update(1)
             bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in ("reward/overall", "val/reward_score") if k in metrics})
         bar.close()
@@ -290,16 +291,29 @@ class Run:
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, val_score):
+    def save_checkpoint(self, metrics):
+        """Write global_step_N/ (actor/, dataloader.pt), then log the step's row (`metrics`), then trainer_state.json
+        with the log's size, then the tracker naming N; then remove old checkpoints.
+
+        Why this order: a checkpoint is used only once trainer_state.json is written (see _checkpoint_problem), and
+        the tracker, written last and atomically, names it only after that. The log is then an exact record:
+        the step's row is on disk before its checkpoint is complete, and a resume cuts the log back to the size
+        saved with the checkpoint it resumes from (Logger.rewind), dropping the rows of the steps that run again.
+        So after a kill at any point and a resume, the log holds each step's row exactly once, in order.
+        """
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
-        self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
-        torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
+        with timer(metrics, "save_checkpoint"):
+            shutil.rmtree(path, ignore_errors=True)  # left by a run that stopped while saving this step
+            self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
+            torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
+        val_score = metrics.get("val/reward_score")
         if val_score is not None and (self.best["best_val_reward_score"] is None or val_score > self.best["best_val_reward_score"]):
             self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
-        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only, **self.best}
+        self.logger.log(metrics, self.step)
+        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only, **self.best,
+                 "log_sizes": self.logger.sizes()}
         _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
-        # The tracker is written last and atomically: a crash before this line leaves the previous one.
         _write_json_atomic(os.path.join(self.ckpt_root, TRACKER), {"last_global_step": self.step, **self.best})
         _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
 
@@ -308,6 +322,7 @@ class Run:
         t = self.cfg.trainer
         self.greedy_reward = {}
         if path is None:
+            self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # rows of an earlier attempt: those steps run again
             self.train_iter = iter(self.train_loader)
             return
         state = json.load(open(os.path.join(path, "trainer_state.json")))
@@ -323,6 +338,8 @@ class Run:
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
+        if os.path.dirname(os.path.abspath(path)) == self.ckpt_root:  # this run's own log: back to the checkpoint
+            self.logger.rewind(state.get("log_sizes", {}))
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):
@@ -352,7 +369,9 @@ class Worker:
             torch.set_num_threads(max(1, _usable_cpus() // world_size))
         self.memory = {}  # phase -> peak GiB in use on the device, reported with the update
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+            offload = device == "cuda" and cfg.worker.actor.fsdp.enable_cpu_offload  # CPU gradients: gloo reduces
+            backend = "cuda:nccl,cpu:gloo" if offload else "nccl" if device == "cuda" else "gloo"  # their norm
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
         common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length,
                       max_response_length=d.max_response_length, n_per_prompt=r.n, training_steps=training_steps,
@@ -397,10 +416,14 @@ class Worker:
         return metrics
 
     def save(self, path, model_only):
+        self.actor.onload(optimizer=True)  # offloaded state is saved and loaded on the device, as in EasyR1
         self.actor.save_checkpoint(path, model_only=model_only)
+        self.actor.offload()
 
     def load(self, path):
+        self.actor.onload(optimizer=True)
         self.actor.load_checkpoint(path)
+        self.actor.offload()
 
     def address(self):
         import socket
@@ -520,6 +543,7 @@ def _ray_cluster_running():
 # ----------------------------------------------------------------------------------------------
 
 TRACKER = "checkpoint_tracker.json"
+LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
 
 
 def _sample(prompt, response):
@@ -612,7 +636,7 @@ class Logger:
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         self.names, self.root = names, root
         self.jsonl_path = os.path.join(root, "experiment_log.jsonl")
-        self.jsonl = open(self.jsonl_path, "a")  # appended on resume, never truncated
+        self.jsonl = open(self.jsonl_path, "a")  # appended on resume; rows after the checkpoint dropped (rewind)
         self.generations = open(os.path.join(root, "generations.log"), "a")
         _write_json_atomic(os.path.join(root, "experiment_config.json"), config_to_dict(cfg))
         self.tb = self.wandb = self.mlflow = self.swanlab = None
@@ -658,6 +682,29 @@ class Logger:
             self.mlflow.log_metrics(metrics, step=step)
         if self.swanlab:
             self.swanlab.log(metrics, step=step)
+
+    def sizes(self):
+        """{file name: bytes} of the LOG_FILES, flushed to disk: saved with each checkpoint for rewind."""
+        out = {}
+        for f in (self.jsonl, self.generations):
+            f.flush()
+            os.fsync(f.fileno())
+            out[os.path.basename(f.name)] = os.path.getsize(f.name)
+        return out
+
+    def rewind(self, sizes):
+        """Cut each of the LOG_FILES back to its size in `sizes` (what sizes() returned when the checkpoint a run
+        resumes from was saved; all 0 for a fresh start; a file not named is left alone). What is cut was written
+        after that checkpoint, by steps that now run again (or a line cut short by a kill), and it is said."""
+        for f in (self.jsonl, self.generations):
+            keep, size = sizes.get(os.path.basename(f.name)), os.path.getsize(f.name)
+            if keep is not None and size > keep:
+                with open(f.name, "rb") as r:
+                    r.seek(keep)
+                    lines = r.read().count(b"\n")
+                os.truncate(f.name, keep)  # appends continue at the new end (the file is open with O_APPEND)
+                print(f"{f.name}: dropped the {lines} lines written after the checkpoint this run starts from "
+                      f"(those steps run again)", flush=True)
 
     def log_generations(self, rows, step):
         for row in rows:

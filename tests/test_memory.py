@@ -136,3 +136,128 @@ def test_adamw_bf16_on_fsdp2_shards_matches_one_process(tmp_path):
     for name, p in model.named_parameters():
         assert torch.equal(full[name], p.detach()), name
     assert torch.equal(comp, opt.state[model.weight]["compensation"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Offload (worker.actor.offload.*, worker.ref.offload.*)
+# ----------------------------------------------------------------------------------------------
+
+def text_samples(n=4, prompt=12, response=6):
+    """Random token ids for the toy text model (167 tokens): a prompt, a response and an advantage each."""
+    gen = torch.Generator().manual_seed(0)
+    return [{"prompt_ids": torch.randint(3, 160, (prompt,), generator=gen).tolist(),
+             "response_ids": torch.randint(3, 160, (response,), generator=gen).tolist(),
+             "advantage": 1.0 if i % 2 else -1.0} for i in range(n)]
+
+
+# EasyR1's examples/config.yaml, its memory settings: manual offload of the actor, FSDP's own offload for the ref.
+EASYR1_MEMORY = ["worker.actor.offload.offload_params=true", "worker.actor.offload.offload_optimizer=true",
+                 "worker.actor.fsdp.enable_cpu_offload=false", "worker.ref.fsdp.enable_cpu_offload=true",
+                 "worker.ref.offload.offload_params=false", "worker.actor.model.enable_gradient_checkpointing=true"]
+
+
+def test_easyr1_offload_settings_start_and_train_on_the_cpu(toy, monkeypatch, caplog):
+    """EasyR1's example memory settings no longer raise: the worker starts, says once that offload does nothing
+    on the CPU, and runs the old / ref log-prob passes and an update."""
+    import trainer
+
+    cfg = trainer.load_config(None, EASYR1_MEMORY + [
+        f"worker.actor.model.model_path={toy['text_model']}", "worker.rollout.name=hf", "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1", "worker.actor.global_batch_size=2", "worker.rollout.n=2",
+        "data.max_prompt_length=16", "data.max_response_length=8"])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # setup sets them; restored after
+        monkeypatch.setenv(key, "0")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    worker = trainer.Worker()
+    with caplog.at_level(logging.WARNING, logger="actor"):
+        worker.setup(cfg, 0, 1, ("127.0.0.1", 0), "cpu", 1)
+    lines = [r.getMessage() for r in caplog.records if "offload" in r.getMessage()]
+    assert lines == ["actor: offload.offload_params / offload_optimizer do nothing: the parameters already live on "
+                     "the CPU (device cpu)"], lines
+    assert not worker.actor.offload_params and not worker.actor.offload_optimizer
+    samples = text_samples()
+    for s, old, ref in zip(samples, worker.log_probs(samples, "old"), worker.log_probs(samples, "ref")):
+        s["old_logprobs"], s["ref_logprobs"] = old, ref
+    metrics = worker.update(samples)
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+
+
+def _where(actor):
+    """({devices of the parameters' local shards}, {devices of the optimizer's state tensors}, their bytes)."""
+    params = [actor_module._local(p) for p in actor.module.parameters()]
+    state = [actor_module._local(v) for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return ({t.device.type for t in params}, {t.device.type for t in state},
+            sum(t.numel() * t.element_size() for t in params + state))
+
+
+def _offload_main(rank, world, port, model_path, lora, out_path):
+    """One rank of an FSDP2 actor on CUDA with offload_params and offload_optimizer: where the tensors are and what
+    the device holds after each pass; the weights it ends with, against the same updates without offload."""
+    import torch.distributed as dist
+    from test_actor_update import make_cfg
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        samples = text_samples(n=4 * world)[rank::world]
+        results = {}
+        for offload in (True, False):
+            cfg = make_cfg(model_path, **{"offload.offload_params": offload, "offload.offload_optimizer": offload,
+                                          "global_batch_size": 2 * world, "micro_batch_size_per_device_for_update": 2,
+                                          "fsdp.mp_param_dtype": "fp32", "model.lora.rank": 8 if lora else 0})
+            torch.manual_seed(0)
+            actor = actor_module.Actor(cfg, role="actor", device="cuda", max_prompt_length=16, max_response_length=8,
+                                       n_per_prompt=2)
+            memory = [("init", _where(actor), torch.cuda.memory_allocated())]
+            for s, lp in zip(samples, actor.compute_log_probs(samples)):
+                s["old_logprobs"] = lp
+            memory.append(("log_probs", _where(actor), torch.cuda.memory_allocated()))
+            for _ in range(2):
+                actor.update(samples)
+            memory.append(("update", _where(actor), torch.cuda.memory_allocated()))
+            actor.onload(optimizer=True)
+            memory.append(("onload", _where(actor), torch.cuda.memory_allocated()))
+            actor.offload()
+            memory.append(("offload", _where(actor), torch.cuda.memory_allocated()))
+            results[offload] = (memory, {n: t.float().cpu() for n, t in actor.named_tensors()})
+            del actor
+            torch.cuda.empty_cache()
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("world, lora", [(1, False), (1, True), (2, False)])
+def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path, world, lora):
+    """FSDP2 on `world` GPUs: with offload, parameters and optimizer state are on the CPU after construction and
+    after every pass, on the GPU after onload(optimizer=True); the device then holds them (allocated bytes rise by
+    at least their size) and gives them back on offload(). The weights after two updates match a run without."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_offload_main, args=(r, world, port, toy["text_model"], lora, str(tmp_path / "out.pt")))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0] * world, f"rank exit codes {[p.exitcode for p in procs]}"
+    results = torch.load(tmp_path / "out.pt", weights_only=False)
+    memory = dict((phase, (where, allocated)) for phase, where, allocated in results[True][0])
+    for phase in ("init", "log_probs", "update", "offload"):
+        params, state, _ = memory[phase][0]
+        assert params == {"cpu"} and state <= {"cpu"}, (phase, params, state)
+    params, state, size = memory["onload"][0]
+    assert params == {"cuda"} and state == {"cuda"}, ("onload", params, state)
+    assert memory["onload"][1] - memory["offload"][1] >= size, (size, memory)
+    assert memory["offload"][1] < 0.1 * size, (size, memory)
+    without = {phase: where for phase, where, _ in results[False][0]}
+    assert without["update"][0] == {"cuda"} and without["update"][1] == {"cuda"}, without["update"]
+    for name, tensor in results[True][1].items():
+        torch.testing.assert_close(tensor, results[False][1][name], rtol=1e-5, atol=1e-6, msg=name)
