@@ -38,9 +38,20 @@ class FakeWorkers:
 
     def __init__(self):
         module = torch.nn.Linear(2, 2)
-        self.actor = types.SimpleNamespace(module=module, optimizer=torch.optim.AdamW(module.parameters()), rank=0,
-                                           sharded=False, optimizer_steps=0, total_optimizer_steps=10, lora_rank=0,
+        optimizer = torch.optim.AdamW(module.parameters())
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: t / 20)  # warm-up over 20 steps
+        self.actor = types.SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=schedule, rank=0,
+                                           sharded=False, optimizer_steps=0, total_optimizer_steps=100, lora_rank=0,
                                            cfg=types.SimpleNamespace(model=None))
+
+    def update(self):
+        """One optimizer step and one LR-schedule step (warm-up: the lr of step t is 1e-3 x t / 20)."""
+        a = self.actor
+        a.module(torch.ones(1, 2)).sum().backward()
+        a.optimizer.step()
+        a.optimizer.zero_grad()
+        a.lr_scheduler.step()
+        a.optimizer_steps += 1
 
     def save(self, path, model_only):
         actor.Actor.save_checkpoint(self.actor, path, model_only=model_only)
@@ -78,11 +89,11 @@ def fake_run(root, cfg, training_steps=4):
 def save_steps(root, steps, **trainer_keys):
     """Checkpoints of the given steps (each one optimizer step later), written by Run.save_checkpoint."""
     run = fake_run(root, make_cfg(**trainer_keys))
-    for step in steps:
+    for step in steps:  # steps 1, 2, ...: one update each
         run.step, run.train_loader.batch = step, step
-        run.workers.actor.optimizer_steps = step
+        run.workers.update()
         run.kl_ctrl.value = step / 100
-        run.save_checkpoint(None)
+        run.save_checkpoint({})
     run.logger.close()
 
 
@@ -187,3 +198,129 @@ def test_checkpoints_are_checked_before_ray_starts(tmp_path, toy, monkeypatch):
                                      f"trainer.save_checkpoint_path={tmp_path}"])
     with pytest.raises(trainer.CheckpointError, match="global_step_1: trainer_state.json cannot be read"):
         trainer.Run(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# B2 and the loop: after a kill at any point and a resume, each step's row once, in order
+# ----------------------------------------------------------------------------------------------
+
+class Kill(BaseException):
+    """A SIGKILL: nothing after it runs (not an Exception, so nothing catches it)."""
+
+
+def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None):
+    """Run.fit with a fake step that logs {"run": run_id} and records the step counter it ran at."""
+    run = fake_run(root, make_cfg(save_freq=save_freq), training_steps)
+    run.validate = lambda: {"val/reward_score": 0.0}
+
+    def train_step():
+        if seen is not None:
+            seen.append(run.step)
+        return {"run": run_id}
+
+    run.train_step = train_step
+    try:
+        run.fit()
+    finally:
+        run.logger.close()
+    return run
+
+
+def kill_at(monkeypatch, when, step):
+    """Patch the loop to die at `when` in step `step` of a run with checkpoints every 2 steps."""
+    write_json, remove_old, log = trainer._write_json_atomic, trainer._remove_old_checkpoints, trainer.Logger.log
+
+    def write_json_then_die(path, obj):
+        if when == "before trainer_state.json" and path.endswith("trainer_state.json") and obj["global_step"] == step:
+            raise Kill
+        if when == "before the tracker" and path.endswith(trainer.TRACKER) and obj["last_global_step"] == step:
+            raise Kill
+        write_json(path, obj)
+
+    def remove_old_then_die(root, last, *args):
+        remove_old(root, last, *args)
+        if when == "after the tracker" and last == step:
+            raise Kill
+
+    def log_then_die(self, metrics, at):
+        if at == step and when == "mid-line":
+            self.jsonl.write('{"step": %d, "ru' % at)
+            self.jsonl.flush()
+            raise Kill
+        log(self, metrics, at)
+        if at == step and when == "after the row":
+            raise Kill
+
+    monkeypatch.setattr(trainer, "_write_json_atomic", write_json_then_die)
+    monkeypatch.setattr(trainer, "_remove_old_checkpoints", remove_old_then_die)
+    monkeypatch.setattr(trainer.Logger, "log", log_then_die)
+
+
+@pytest.mark.parametrize("when, step, resumed", [
+    ("after the row", 3, 2),  # between checkpoints: row 3 is written again by the resumed run
+    ("mid-line", 3, 2),  # a row cut short
+    ("after the row", 4, 2),  # a checkpoint step: the row is on disk, the checkpoint not yet complete
+    ("before trainer_state.json", 4, 2),
+    ("before the tracker", 4, 2),  # the checkpoint is complete, the tracker still names step 2
+    ("after the tracker", 4, 4),  # the checkpoint counts: its row must be in the log
+])
+def test_after_a_kill_and_a_resume_the_log_holds_each_step_once_in_order(tmp_path, monkeypatch, when, step, resumed):
+    with monkeypatch.context() as patch:
+        kill_at(patch, when, step)
+        with pytest.raises(Kill):
+            run_loop(tmp_path, run_id=1)
+    seen = []
+    run = run_loop(tmp_path, run_id=2, seen=seen)
+    assert seen == list(range(resumed + 1, 7)) and run.step == 6  # the step counter continues after the checkpoint
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["run"] for r in rows] == [1] * resumed + [2] * (6 - resumed)  # the resumed steps from the resumed run
+    assert all("timing_s/save_checkpoint" in r for r in rows if r["step"] % 2 == 0)
+
+
+def test_a_kill_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        kill_at(patch, "after the row", 1)
+        with pytest.raises(Kill):
+            run_loop(tmp_path, run_id=1, save_freq=2)
+    run_loop(tmp_path, run_id=2)
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"]) for r in rows] == [(s, 2) for s in range(1, 7)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint rotation: save_limit, the best checkpoint kept
+# ----------------------------------------------------------------------------------------------
+
+def folders(root):
+    return sorted(int(n.split("_")[-1]) for n in os.listdir(root) if n.startswith("global_step_"))
+
+
+def test_rotation_keeps_the_newest_and_the_best(tmp_path):
+    for step in (5, 10, 15, 20, 25, 30):
+        os.makedirs(tmp_path / f"global_step_{step}")
+    trainer._remove_old_checkpoints(str(tmp_path), 30, 10, 3)  # EasyR1's own case: keeps 10, 25 and 30
+    assert folders(tmp_path) == [10, 25, 30]
+    trainer._remove_old_checkpoints(str(tmp_path), 30, None, 2)
+    assert folders(tmp_path) == [25, 30]
+    trainer._remove_old_checkpoints(str(tmp_path), 30, None, -1)  # save_limit <= 0 keeps all
+    assert folders(tmp_path) == [25, 30]
+
+
+def test_save_limit_and_the_best_validation_score_across_a_resume(tmp_path):
+    """Scores 0.1, 0.9, 0.2, 0.3 at steps 1-4 with save_limit 2: step 2 (the best) and the newest remain; the
+    best comes back with the resume, so step 5 (0.5) does not displace it."""
+    run = fake_run(tmp_path, make_cfg(save_limit=2))
+    for step, score, remain in zip(range(1, 5), (0.1, 0.9, 0.2, 0.3), ([1], [1, 2], [2, 3], [2, 4])):
+        run.step = step
+        run.save_checkpoint({"val/reward_score": score})
+        assert folders(tmp_path) == remain
+    run.logger.close()
+    assert json.load(open(tmp_path / trainer.TRACKER)) == {"last_global_step": 4, "best_global_step": 2,
+                                                          "best_val_reward_score": 0.9}
+    run = fake_run(tmp_path, make_cfg(save_limit=2))
+    assert run.step == 4 and run.best == {"best_global_step": 2, "best_val_reward_score": 0.9}
+    run.step = 5
+    run.save_checkpoint({"val/reward_score": 0.5})
+    run.logger.close()
+    assert folders(tmp_path) == [2, 5]
