@@ -199,14 +199,6 @@ def test_chunked_response_head_equals_full_logits():
     torch.testing.assert_close(got[1], head.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_lr_schedule():
-    o = SimpleNamespace(lr=1.0, lr_warmup_steps=None, lr_warmup_ratio=0.2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
-    lrs = [actor.lr_at(o, step, 10) for step in range(10)]
-    assert lrs[:2] == [0.5, 1.0]  # warmup of 2 steps
-    assert lrs[2] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(
-        torch.tensor(7 / 8 * torch.pi)).item()))
-
-
 def test_attention_backend_isolates_sequences():
     torch.manual_seed(0)
     q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)  # 4 query heads, 2 KV heads

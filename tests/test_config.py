@@ -168,3 +168,13 @@ def test_bare_config_name_resolves_under_configs(capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no config file 'geo3k_typo.yaml'" in err
     assert "geo3k.yaml" in err and "toy.yaml" in err  # it lists what there is
+
+
+def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_extra():
+    """flash-attn has no binary wheel on PyPI: listed, it turns `pip install -r requirements-gpu.txt` into an
+    hours-long source build. It is an optional extra the README explains."""
+    root = os.path.dirname(CONFIGS)
+    lines = [l.split("#")[0].strip() for l in open(os.path.join(root, "requirements-gpu.txt"))]
+    assert not [l for l in lines if l.lower().startswith(("flash-attn", "flash_attn"))]
+    readme = open(os.path.join(root, "README.md")).read()
+    assert "pip install flash-attn --no-build-isolation" in readme and "varlen_attn" in readme

@@ -256,3 +256,107 @@ def test_step_metrics_lengths_and_timing_per_token():
     run = step_run("algorithm.disable_kl=true", "algorithm.adv_estimator=reinforce_plus_plus")
     m = run.train_step()
     assert (m["critic/returns/mean"], m["critic/returns/max"], m["critic/returns/min"]) == (0.75, 1.0, 0.0)
+
+
+# --- the update: schedule, clipping, loss values (the toy text model, fp32, one process) ---------
+
+def text_actor(toy, training_steps=4, **overrides):
+    """A tiny fp32 policy; mini-batches of global_batch_size x 2 responses; no clipping unless asked."""
+    cfg = trainer.ActorConfig()
+    cfg.model.model_path, cfg.model.enable_gradient_checkpointing = toy["text_model"], False
+    cfg.fsdp.torch_dtype = cfg.fsdp.mp_param_dtype = "fp32"
+    cfg.optim.lr, cfg.max_grad_norm, cfg.global_batch_size = 1e-3, 1e9, 2
+    cfg.dynamic_batching, cfg.micro_batch_size_per_device_for_update = False, 1
+    for key, value in overrides.items():
+        obj, (*path, leaf) = cfg, key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, leaf, value)
+    return trainer.actor.Actor(cfg, role="actor", device="cpu", max_prompt_length=16, max_response_length=8,
+                               n_per_prompt=2, training_steps=training_steps)
+
+
+def on_policy(policy, lengths=(1, 2, 3, 4), advantages=(1.0, -1.0, 0.5, 2.0)):
+    """Text samples (prompt of 5 tokens) with old log-probs = the policy's own: every ratio is exactly 1."""
+    samples = [{"prompt_ids": [11 + i, 12, 13, 14, 15], "response_ids": [20 + i + t for t in range(n)], "advantage": a}
+               for i, (n, a) in enumerate(zip(lengths, advantages))]
+    for s, logp in zip(samples, policy.compute_log_probs(samples)):
+        s["old_logprobs"] = logp
+    return samples
+
+
+def applied_lrs(policy):
+    """Records the learning rate of every optimizer step."""
+    lrs, step = [], policy.optimizer.step
+    policy.optimizer.step = lambda *a, **k: lrs.append(policy.optimizer.param_groups[0]["lr"]) or step(*a, **k)
+    return lrs
+
+
+@pytest.mark.parametrize("mode, expected", [
+    # on policy the per-token loss is -A; lengths 1, 2, 3, 4 and advantages 1, -1, 0.5, 2
+    ("token", -(1 * 1 - 1 * 2 + 0.5 * 3 + 2 * 4) / 10),       # sum_i A_i |o_i| / tokens = -0.85
+    ("seq", -(1 - 1 + 0.5 + 2) / 4),                           # mean of sequence means = -0.625
+    ("seq_sum_norm", -(1 * 1 - 1 * 2 + 0.5 * 3 + 2 * 4) / (4 * 8)),  # / (sequences x max_response_length)
+])
+def test_loss_values_of_the_aggregation_modes(toy, mode, expected):
+    policy = text_actor(toy, loss_avg_mode=mode)  # 4 micro-batches of one sample: the global counts matter
+    metrics = policy.update(on_policy(policy))
+    assert metrics["actor/pg_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_gradient_clipping_to_max_grad_norm_logs_the_norm_before(toy):
+    grads = {}
+
+    def norm_at_step(max_grad_norm):
+        policy = text_actor(toy, max_grad_norm=max_grad_norm)
+        step = policy.optimizer.step
+
+        def spy(*a, **k):
+            grads[max_grad_norm] = [p.grad.clone() for p in policy.module.parameters() if p.grad is not None]
+            return step(*a, **k)
+
+        policy.optimizer.step = spy
+        metrics = policy.update(on_policy(policy))
+        return metrics["actor/grad_norm"], torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads[max_grad_norm]])).item()
+
+    logged, applied = norm_at_step(1e9)  # no clipping: the norm of the gradient applied is the one logged
+    assert logged == pytest.approx(applied, rel=1e-6) and logged > 1e-3
+    small = logged / 10
+    logged_clipped, applied_clipped = norm_at_step(small)
+    assert logged_clipped == pytest.approx(logged, rel=1e-6)  # logged: before clipping
+    assert applied_clipped == pytest.approx(small, rel=1e-5)  # applied: clipped to max_grad_norm
+    for g, g_clipped in zip(grads[1e9], grads[small]):  # same direction, scaled by small / norm
+        torch.testing.assert_close(g_clipped, g * small / (logged + 1e-6), rtol=1e-5, atol=1e-12)
+
+
+def test_constant_schedule_warms_up_over_training_steps_and_logs_actor_lr(toy, tmp_path):
+    """lr 1e-3, lr_warmup_steps 2, two mini-batches (optimizer steps) per training step: the schedule steps once
+    per training step, from 0 (EasyR1): 0, 5e-4, 1e-3, 1e-3; both optimizer steps of an update share it.
+    A checkpoint restores the schedule's position."""
+    policy = text_actor(toy, global_batch_size=1, **{"optim.lr_warmup_steps": 2})
+    lrs = applied_lrs(policy)
+    logged = [policy.update(on_policy(policy))["actor/lr"] for _ in range(2)]
+    assert logged == pytest.approx([0.0, 5e-4]) and lrs == pytest.approx([0.0, 0.0, 5e-4, 5e-4])
+    policy.save_checkpoint(str(tmp_path / "actor"))
+    resumed = text_actor(toy, global_batch_size=1, **{"optim.lr_warmup_steps": 2})
+    resumed.load_checkpoint(str(tmp_path / "actor"))
+    assert [resumed.update(on_policy(resumed))["actor/lr"] for _ in range(2)] == pytest.approx([1e-3, 1e-3])
+    # the warm-up as a ratio of the training steps: int(0.5 x 4) = 2 steps, the same schedule
+    policy = text_actor(toy, **{"optim.lr_warmup_ratio": 0.5})
+    assert [policy.update(on_policy(policy))["actor/lr"] for _ in range(3)] == pytest.approx([0.0, 5e-4, 1e-3])
+
+
+def test_cosine_schedule_by_hand():
+    """warm-up 1 of 5 training steps, min_lr_ratio 0.1: 0, then 0.1 + 0.9 (1 + cos(pi k / 4)) / 2, k = 0..3."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    o = trainer.OptimConfig(lr=2.0, lr_warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    schedule = trainer.actor.lr_schedule(optimizer, o, 5)
+    lrs = []
+    for _ in range(5):
+        lrs.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    expected = [0.0] + [2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * k / 4)) / 2) for k in range(4)]
+    assert lrs == pytest.approx(expected)
+    assert expected[1:] == pytest.approx([2.0, 2.0 * (0.1 + 0.45 * (1 + 0.5 ** 0.5)), 1.1, 2.0 * (0.1 + 0.45 * (1 - 0.5 ** 0.5))])
