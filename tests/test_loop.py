@@ -252,10 +252,12 @@ def test_step_metrics_lengths_and_timing_per_token():
     assert m["perf/total_num_tokens"] == 3 + 2 + 3 + 1 + 4 + 1 + 4 + 2
     for stage, tokens in (("gen", 6), ("old", 20), ("adv", 20), ("update_actor", 20)):  # reward: in make_batch
         assert m[f"timing_per_token_ms/{stage}"] == pytest.approx(1000 * m[f"timing_s/{stage}"] / tokens), stage
-    # ReMax and REINFORCE++ returns are the rewards themselves (one per response), not the advantages
-    run = step_run("algorithm.disable_kl=true", "algorithm.adv_estimator=reinforce_plus_plus")
+    # ReMax's returns are the rewards themselves (one per response), not the advantages r - b
+    run = step_run("algorithm.disable_kl=true", "algorithm.adv_estimator=remax")
+    run.greedy_reward = {"a": 0.5, "b": 0.5}
     m = run.train_step()
     assert (m["critic/returns/mean"], m["critic/returns/max"], m["critic/returns/min"]) == (0.75, 1.0, 0.0)
+    assert (m["critic/advantages/mean"], m["critic/advantages/max"], m["critic/advantages/min"]) == (0.25, 0.5, -0.5)
 
 
 # --- the update: schedule, clipping, loss values (the toy text model, fp32, one process) ---------
