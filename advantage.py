@@ -1,13 +1,18 @@
-"""advantage.py: one advantage per response from its scalar reward and its group (the prompt's uid).
+"""advantage.py: advantages from scalar rewards, group ids (the prompt's uid) and, for REINFORCE++, tokens.
 
     adv = compute_advantages("grpo", scores, uids)          # scores [N] float, uids list of N group ids
     adv = compute_advantages("grpo", scores, uids, norm_by_std=False)            # Dr. GRPO
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
+    adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
-Inputs: `scores` [N] (the reward function's "overall", minus beta * summed KL when KL is in the
-reward: kl_in_reward), `uids` [N] group ids (any hashable values: str or int), in any order. A group
-is every response with the same uid value; position in the batch never matters, and permuting the
-inputs permutes the outputs. Outputs are float32 [N]; the actor broadcasts each over its tokens.
+Inputs: `scores` [N] (the reward function's "overall"), `uids` [N] group ids (any hashable values: str
+or int), in any order. A group is every response with the same uid value; position in the batch never
+matters, and permuting the inputs permutes the outputs. KL in the reward (algorithm.use_kl_loss =
+false, as EasyR1): `token_kl`, N tensors [L_i] with the KL estimate at every response token, and its
+coefficient `kl_coef` (beta). REINFORCE++ subtracts beta * KL token by token; every other estimator
+sees one reward per response, r_i = score_i - beta * sum_t kl_{i,t} (kl_in_reward), as in EasyR1.
+Outputs: float32 [N], one advantage per response that the actor broadcasts over its tokens; for
+REINFORCE++ (the names in TOKEN_LEVEL) a list of N float32 tensors [L_i], one advantage per token.
 Group statistics are computed in float64 and vectorised: a group index from numpy.unique (it handles
 string uids), then index_add / scatter_reduce over it; no Python loop over samples.
 
@@ -17,13 +22,11 @@ Differences from EasyR1, and why:
   leaves rounding residue that the tiny std then amplifies into sizeable fake advantages.
 - Dr. GRPO (no division by the std) is an option: norm_by_std=False.
 - A group of one raises an error naming its uid (EasyR1 asserts); allow_singletons=True gives it 0.
-- Advantages are per response, not per token. For the REINFORCE++ estimators EasyR1 whitens the
-  per-token returns G_t = gamma^(L-1-t) * R over every token of the batch. Rewards here are one scalar
-  per response and gamma = 1 (EasyR1's default), so every token's return is R and whitening runs over
-  responses: each response counts once rather than once per token.
+- reinforce_plus_plus_baseline (veRL's; EasyR1 has none) whitens over responses, not over tokens.
 - remax checks that the greedy baseline is the same for every response of a prompt.
-- Online filtering (groups_to_keep) can also require spread: EasyR1 only thresholds the group mean,
-  which keeps an all-wrong-but-well-formatted group (every overall = 0.1) whose advantages are all 0.
+- Online filtering (groups_to_keep) also drops groups without spread for the estimators that give
+  them advantage 0 (ZERO_WHEN_FLAT): EasyR1 only thresholds the group mean, which keeps an
+  all-wrong-but-well-formatted group (every overall = 0.1) that then trains on nothing.
 """
 
 import numpy as np
@@ -77,26 +80,36 @@ def rloo(scores, uids, allow_singletons=False):
     return torch.where(flat[g], 0.0, adv).float()
 
 
-def reinforce_plus_plus(scores, uids, eps=1e-8):
-    """REINFORCE++ (arXiv 2501.03262): no group baseline, whitening over the whole batch.
+def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
+    """REINFORCE++ (arXiv 2501.03262) as EasyR1 and veRL compute it: token rewards, returns, whitening
+    over every response token of the batch.
 
-    A_i = (R_i - mean(R)) / sqrt(var(R) + eps),  var unbiased, over all N responses.
-    R_i is the return. With one scalar reward per response and gamma = 1 the return of every token
-    is the response's reward, so R = scores and gamma plays no role (see the module docstring).
-    A batch without spread gets exactly 0. uids are not used.
+        r_{i,t} = [t = L_i - 1] * score_i - kl_coef * kl_{i,t}     the score sits on the last token
+        G_{i,t} = sum_{s >= t} r_{i,s}                              returns (gamma = 1)
+        A_{i,t} = (G_{i,t} - mean(G)) / sqrt(var(G) + eps)          mean, unbiased var over all sum_i L_i tokens
+
+    scores [N]: raw rewards (no KL folded in); lengths [N]: response lengths in tokens; token_kl: N
+    tensors [L_i] or None (no KL in the reward). Token t's return carries the KL of tokens t.. only,
+    and a long response weighs in the statistics by its number of tokens.
+    Returns N float32 tensors [L_i]. A batch whose returns have no spread gets exactly 0.
     """
-    x = as_scores(scores, uids)                                                          # [N] f64
-    if len(x) < 2 or x.max() - x.min() <= FLAT:
-        return torch.zeros(len(x))
-    return ((x - x.mean()) / torch.sqrt(x.var() + eps)).float()
+    rewards = token_rewards(scores, lengths, token_kl, kl_coef)           # N x [L_i] f64
+    returns = [r.flip(0).cumsum(0).flip(0) for r in rewards]              # N x [L_i]
+    flat = torch.cat(returns)                                             # [T]
+    if len(flat) < 2 or flat.max() - flat.min() <= FLAT:
+        return [torch.zeros(len(g)) for g in returns]
+    mean, std = flat.mean(), torch.sqrt(flat.var() + eps)
+    return [((g - mean) / std).float() for g in returns]
 
 
 def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False):
-    """REINFORCE++ with a group baseline (verl's reinforce_plus_plus_baseline):
+    """REINFORCE++ with a group baseline (after veRL's reinforce_plus_plus_baseline; EasyR1 has none):
 
     c_i = r_i - mean_g              (exactly 0 for a group without spread)
-    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the whole batch
+    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses
     Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
+    veRL takes mean and var over tokens (each response weighted by its length), so there mean(c) != 0
+    and flat groups get a small shared advantage.
     """
     x, g, n, flat = group_stats(scores, uids, allow_singletons)    # [N] f64, [N], [G], [G]
     mean, _ = group_mean_std(x, g, n)                              # [G]
@@ -125,24 +138,43 @@ def remax(scores, uids, baselines):
     return (x - b).float()
 
 
+TOKEN_LEVEL = {"reinforce_plus_plus"}  # estimators that return one advantage per token
+# estimators whose advantages are all 0 for a group without spread: online filtering drops such groups
+ZERO_WHEN_FLAT = {"grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline"}
+
 ESTIMATORS = {
     "grpo": grpo, "grpo_passk": grpo_passk, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline, "remax": remax,
 }
 
 
-def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, **opts):
-    """Advantages [N] float32 from the estimator `name` (a key of ESTIMATORS).
+def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, lengths=None, token_kl=None,
+                       kl_coef=0.0, **opts):
+    """Advantages from the estimator `name` (a key of ESTIMATORS): float32 [N], or N float32 tensors
+    [L_i] for the estimators in TOKEN_LEVEL.
 
+    scores [N]: the reward function's "overall". token_kl (N tensors [L_i], the KL estimate at each
+    response token) and kl_coef: KL in the reward, see the module docstring; None: none.
+    lengths [N]: response lengths in tokens, for reinforce_plus_plus (from token_kl when not given).
     baselines: remax only. norm_by_std (algorithm.norm_adv_by_std_in_grpo): grpo only, as in EasyR1;
     the other estimators ignore it. opts: the estimator's own options (eps, allow_singletons).
     """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
+    if baselines is not None and name != "remax":
+        raise ValueError(f"baselines are only used by remax, not by {name}")
+    if name in TOKEN_LEVEL:
+        if lengths is None and token_kl is None:
+            raise ValueError(f"{name} computes one advantage per token: pass lengths (response lengths in "
+                             f"tokens) or token_kl")
+        lengths = [len(k) for k in token_kl] if lengths is None else [int(n) for n in lengths]
+        if len(lengths) != len(uids):
+            raise ValueError(f"{len(lengths)} lengths but there are {len(uids)} uids; both must be [N]")
+        return ESTIMATORS[name](as_scores(scores, uids), lengths, token_kl, kl_coef, **opts)
+    if token_kl is not None:
+        scores = kl_in_reward(as_scores(scores, uids), [float(torch.as_tensor(k).sum()) for k in token_kl], kl_coef)
     if name == "remax":
         return remax(scores, uids, baselines, **opts)
-    if baselines is not None:
-        raise ValueError(f"baselines are only used by remax, not by {name}")
     if name == "grpo":
         opts["norm_by_std"] = norm_by_std
     return ESTIMATORS[name](scores, uids, **opts)
@@ -159,6 +191,28 @@ def kl_in_reward(scores, kl_sums, beta):
         raise ValueError(f"kl_in_reward: scores {tuple(scores.shape)} and kl_sums {tuple(kl_sums.shape)} "
                          f"must both be [N]")
     return scores - beta * kl_sums
+
+
+def token_rewards(scores, lengths, token_kl=None, beta=0.0):
+    """EasyR1's token-level rewards, N float64 tensors [L_i]: score_i on the last response token, minus
+    beta * kl_{i,t} on every token t when token_kl (N tensors [L_i]) is given."""
+    x = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)                         # [N]
+    if len(x) != len(lengths) or (token_kl is not None and len(token_kl) != len(x)):
+        raise ValueError(f"token_rewards: {len(x)} scores, {len(lengths)} lengths and "
+                         f"{'no' if token_kl is None else len(token_kl)} token_kl: one of each per response")
+    rewards = []
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"response {i} has length {n}; every response needs at least one token")
+        r = torch.zeros(int(n), dtype=torch.float64)                                    # [L_i]
+        if token_kl is not None:
+            kl = torch.as_tensor(token_kl[i]).detach().to("cpu", torch.float64).reshape(-1)
+            if len(kl) != n:
+                raise ValueError(f"response {i}: token_kl has {len(kl)} values for {n} response tokens")
+            r -= beta * kl
+        r[-1] += x[i]
+        rewards.append(r)
+    return rewards
 
 
 class FixedKLController:
@@ -208,10 +262,14 @@ def groups_to_keep(values, uids, low, high, require_spread=True):
 
 
 def advantage_metrics(scores, advantages, uids):
-    """Per-step metrics (EasyR1 names; EasyR1 averages over tokens, these over responses):
+    """Per-step metrics (EasyR1 names; EasyR1 averages over tokens, these over responses, and the
+    advantages of a TOKEN_LEVEL estimator, a list of [L_i] tensors, over tokens):
     critic/score/{mean,max,min}, critic/advantages/{mean,max,min}, adv/zero_std_group_frac."""
     x, _, _, flat = group_stats(scores, uids, allow_singletons=True)   # [N] f64, ..., [G]
-    adv = as_scores(advantages, uids, "advantage")                      # [N] f64
+    if isinstance(advantages, list) and advantages and torch.is_tensor(advantages[0]) and advantages[0].dim():
+        adv = torch.cat(advantages).double()                            # [T]
+    else:
+        adv = as_scores(advantages, uids, "advantage")                  # [N] f64
     return {
         "critic/score/mean": x.mean().item(), "critic/score/max": x.max().item(), "critic/score/min": x.min().item(),
         "critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(),

@@ -121,12 +121,59 @@ def test_rloo_by_hand():
     assert torch.allclose(got, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, -2.0, 2.0]), atol=1e-7, rtol=0)
 
 
-def test_reinforce_plus_plus_against_numpy():
-    scores = np.array([0.3, 1.0, 0.0, 0.25, 0.9, 0.1])
-    expected = (scores - scores.mean()) / np.sqrt(scores.var(ddof=1) + 1e-8)
-    got = advantage.reinforce_plus_plus(torch.tensor(scores), ["a", "a", "b", "b", "c", "c"])
-    assert np.allclose(got.numpy(), expected, atol=1e-6, rtol=0)
-    assert torch.equal(advantage.reinforce_plus_plus([0.7] * 16, ["u"] * 16), torch.zeros(16))
+def test_reinforce_plus_plus_by_hand():
+    """EasyR1's REINFORCE++: score on the last token, minus beta * KL per token, reverse returns,
+    whitening over all 5 tokens. scores [1, 0], lengths [2, 3], beta 0.1:
+    rewards [-0.05, 1.1] and [-0.2, 0, -0.1]; returns [1.05, 1.1] and [-0.3, -0.1, -0.1];
+    mean 0.33, squared deviations sum 1.878, unbiased var 0.4695."""
+    kl = [torch.tensor([0.5, -1.0]), torch.tensor([2.0, 0.0, 1.0])]
+    got = compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], token_kl=kl, kl_coef=0.1)
+    std = math.sqrt(0.4695 + 1e-8)
+    expected = [[0.72 / std, 0.77 / std], [-0.63 / std, -0.43 / std, -0.43 / std]]
+    assert [g.dtype for g in got] == [torch.float32, torch.float32]
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, torch.tensor(e), atol=1e-6, rtol=0)
+    # without KL: returns [1, 1] and [0, 0, 0]; mean 0.4, unbiased var 0.3
+    got = compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], lengths=[2, 3])
+    assert torch.allclose(torch.cat(got), (torch.tensor([1.0, 1, 0, 0, 0]) - 0.4) / math.sqrt(0.3 + 1e-8), atol=1e-6)
+    assert all(torch.equal(g, torch.zeros(n)) for g, n in zip(
+        compute_advantages("reinforce_plus_plus", [0.7] * 3, ["u"] * 3, lengths=[4, 1, 2]), [4, 1, 2]))
+    with pytest.raises(ValueError, match="one advantage per token: pass lengths"):
+        compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"])
+    with pytest.raises(ValueError, match="response 1: token_kl has 2 values for 3 response tokens"):
+        compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], lengths=[2, 3], token_kl=[torch.zeros(2)] * 2)
+
+
+def easyr1_reinforce_plus_plus(scores, lengths, token_kl, beta):
+    """EasyR1/veRL's computation on a padded [N, L_max] batch with a response mask (the loop of
+    compute_reinforce_plus_plus_outcome_advantage, then masked_whiten), in numpy."""
+    n, width = len(scores), max(lengths)
+    mask = np.zeros((n, width))
+    rewards = np.zeros((n, width))
+    for i, (s, m, k) in enumerate(zip(scores, lengths, token_kl)):
+        mask[i, :m] = 1
+        rewards[i, m - 1] = s
+        rewards[i, :m] -= beta * np.asarray(k)
+    returns, running = np.zeros_like(rewards), np.zeros(n)
+    for t in reversed(range(width)):
+        running = rewards[:, t] + running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    mean = (returns * mask).sum() / mask.sum()
+    var = ((returns - mean) ** 2 * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
+    adv = (returns - mean) / np.sqrt(var + 1e-8)
+    return [adv[i, :m] for i, m in enumerate(lengths)]
+
+
+def test_reinforce_plus_plus_matches_easyr1_padded():
+    rng = np.random.default_rng(0)
+    lengths = [int(m) for m in rng.integers(1, 9, size=12)]
+    scores = rng.choice([0.0, 0.1, 1.0], size=12)
+    kl = [rng.normal(0, 0.3, size=m) for m in lengths]
+    got = compute_advantages("reinforce_plus_plus", scores, list(range(12)), token_kl=[torch.tensor(k) for k in kl],
+                             kl_coef=0.05)
+    for g, e in zip(got, easyr1_reinforce_plus_plus(scores, lengths, kl, 0.05)):
+        assert np.allclose(g.numpy(), e, atol=1e-5, rtol=0)
 
 
 def test_reinforce_plus_plus_baseline_against_numpy():
@@ -150,7 +197,7 @@ def test_remax_by_hand_and_baseline_checks():
         compute_advantages("remax", [1.0, 0.0], ["a", "a"])
 
 
-@pytest.mark.parametrize("name", sorted(advantage.ESTIMATORS))
+@pytest.mark.parametrize("name", sorted(set(advantage.ESTIMATORS) - advantage.TOKEN_LEVEL))
 def test_permuting_the_batch_permutes_the_result(name):
     gen = torch.Generator().manual_seed(1)
     uids = [f"prompt-{i // 5}" for i in range(30)]
@@ -197,6 +244,28 @@ def test_kl_in_reward_by_hand():
         advantage.kl_in_reward(torch.zeros(3), torch.zeros(4), 0.1)
 
 
+def test_kl_in_reward_sign_coefficient_and_order():
+    """KL in the reward, from log-probs: kl = old - ref (k1, EasyR1's compute_kl(old, ref)), subtracted
+    times beta. Old -1.0 / ref -1.5 gives kl +0.5, so the reward falls by beta * 0.5 on that token."""
+    import actor
+    old, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    kl = actor.kl_penalty(old, ref, "kl")                           # [0.5, -1.0]
+    got = advantage.token_rewards([1.0], [2], [kl], beta=0.2)
+    assert torch.allclose(got[0], torch.tensor([-0.1, 1.0 + 0.2], dtype=torch.float64), atol=1e-7, rtol=0)
+    # the outcome estimators see score - beta * sum(kl): here 1 - 0.2 * (-0.5) = 1.1 against a baseline of 1
+    got = compute_advantages("remax", [1.0], ["p"], baselines=[1.0], token_kl=[kl], kl_coef=0.2)
+    assert got.item() == pytest.approx(0.1, abs=1e-6)
+
+
+def test_remax_baselines_with_kl_by_hand():
+    """ReMax: the greedy response's raw score is the baseline of every response of its prompt; the
+    sampled responses carry score - beta * sum(kl): [1 - 0.05, 0 - 0.1, 0.5, 0.5 + 0.2] - [0.5, 0.5, 1, 1]."""
+    kl = [torch.tensor([0.2, 0.3]), torch.tensor([1.0]), torch.zeros(3), torch.tensor([-2.0])]
+    got = compute_advantages("remax", [1.0, 0.0, 0.5, 0.5], ["a", "a", "b", "b"], baselines=[0.5, 0.5, 1.0, 1.0],
+                             token_kl=kl, kl_coef=0.1)
+    assert torch.allclose(got, torch.tensor([0.45, -0.6, -0.5, -0.3]), atol=1e-6, rtol=0)
+
+
 def test_kl_controllers_by_hand():
     fixed = advantage.FixedKLController(0.05)
     fixed.update(current_kl=3.0, n_steps=512)
@@ -222,6 +291,27 @@ def test_groups_to_keep():
     assert advantage.groups_to_keep(values, uids, 0.01, 0.99, require_spread=False) == {"fw", "m", "m2", "mid"}
     assert advantage.groups_to_keep(values, uids, 0.6, 0.7) == {"m"}       # mean 2/3
     assert advantage.groups_to_keep([1.0, 0.0], ["solo", "solo2"], 0.0, 1.0, require_spread=False) == set()
+
+
+@pytest.mark.parametrize("name", sorted(advantage.ESTIMATORS))
+def test_online_filtering_drops_flat_groups_only_where_their_advantage_is_zero(name):
+    """ZERO_WHEN_FLAT is the rule online filtering uses: exactly the estimators that give a group without
+    spread all-zero advantages. REINFORCE++ (batch whitening) and ReMax (greedy baseline) train on it."""
+    uids = ["flat", "flat", "m", "m", "w", "w", "hi", "hi"]
+    values = [0.5, 0.5, 1.0, 0.0, 0.0, 0.0, 1.0, 0.9]
+    opts = {"baselines": [0.0] * 2 + [0.5] * 2 + [0.0] * 2 + [1.0] * 2} if name == "remax" else {}
+    opts |= {"lengths": [3] * 8} if name in advantage.TOKEN_LEVEL else {}
+    adv = compute_advantages(name, values, uids, **opts)
+    flat_is_zero = all(float(torch.as_tensor(a).abs().max()) == 0.0 for a in adv[:2])
+    assert flat_is_zero == (name in advantage.ZERO_WHEN_FLAT)
+    kept = advantage.groups_to_keep(values, uids, 0.01, 0.99, require_spread=name in advantage.ZERO_WHEN_FLAT)
+    # means: flat 0.5, m 0.5, w 0 (out), hi 0.95
+    assert kept == ({"m", "hi"} if name in advantage.ZERO_WHEN_FLAT else {"flat", "m", "hi"})
+
+
+def test_advantage_metrics_over_tokens():
+    got = advantage.advantage_metrics([1.0, 0.0], [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-6.0])], ["a", "b"])
+    assert (got["critic/advantages/mean"], got["critic/advantages/max"], got["critic/advantages/min"]) == (0.0, 3.0, -6.0)
 
 
 def test_advantage_metrics_by_hand():
