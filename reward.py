@@ -30,9 +30,9 @@ Differences from EasyR1, and why:
   expression (say 9^{9^{9}}) counts as wrong instead of hanging training.
 - The built-in scorers take one sample at a time (reward type "sequential"); the batch/sequential
   distinction matters only for user files.
-- math: whitespace inside the tags ("< /think >") is tolerated as in EasyR1, but only the tags are
-  touched (EasyR1 strips the space around every <, > and / of the response). The format test runs in
-  linear time: a regex with four `.*` can backtrack for minutes on a long degenerate response.
+- math and r1v give EasyR1's format scores on any string, but run in linear time: EasyR1's tidy regex
+  is quadratic in a run of spaces (40,000 spaces: 9 s) and its format regex, with four `.*`, can
+  backtrack for minutes on a long degenerate response.
 - r1v: the answer tag is matched across lines (EasyR1's is not, so a multi-line answer falls back to
   the whole response there).
 - toy: a scorer for the offline toy tasks (new).
@@ -165,14 +165,15 @@ class RewardFunction:
 def math_reward(sample, format_weight=0.1, timeout=10.0):
     """Math with a boxed answer (EasyR1's math.py; Geometry3K).
 
-    format   = 1 if the response fullmatches <think>.*</think>.*\\boxed{.*}.* (DOTALL; whitespace
-               around and inside the tags allowed), else 0
-    accuracy = 1 if the content of the LAST \\boxed{...} (nested braces counted) is equivalent to the
+    text     = the response without the white space around every <, > and / (EasyR1's tidy: "< think >"
+               becomes "<think>", and "x < 1 / 2" becomes "x<1/2")
+    format   = 1 if text fullmatches <think>.*</think>.*\\boxed{.*}.* (DOTALL), else 0
+    accuracy = 1 if the content of text's LAST \\boxed{...} (nested braces counted) is equivalent to the
                ground truth (is_equivalent), else 0
     overall  = (1 - format_weight) * accuracy + format_weight * format
     timeout: seconds for each grader step (see is_equivalent).
     """
-    text = tidy_tags(sample["response"]).strip()
+    text = tidy(sample["response"])
     think_end = text.find("</think>", len("<think>")) if text.startswith("<think>") else -1
     box = text.find("\\boxed{", think_end + len("</think>")) if think_end >= 0 else -1
     form = 1.0 if box >= 0 and "}" in text[box + len("\\boxed{"):] else 0.0
@@ -188,12 +189,13 @@ R1V_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     """R1-V style <think>/<answer> (EasyR1's r1v.py).
 
-    format   = 1 if the response fullmatches <think>.*?</think>\\s*<answer>.*?</answer> (DOTALL), else 0
+    format   = 1 if the raw response fullmatches <think>.*?</think>\\s*<answer>.*?</answer> (DOTALL), else 0
+               (nothing is stripped: a newline after </answer> gives 0, as in EasyR1)
     accuracy = 1 if the content of the first <answer>...</answer> (the whole response when there is
                none, as in EasyR1) is equivalent to the ground truth, else 0
     overall  = (1 - format_weight) * accuracy + format_weight * format      (0.5 / 0.5 by default)
     """
-    text = tidy_tags(sample["response"]).strip()
+    text = sample["response"]
     form = 1.0 if R1V_FORMAT.fullmatch(text) else 0.0
     found = R1V_ANSWER.search(text)
     answer = found.group(1) if found else text
@@ -259,9 +261,15 @@ BUILTIN = {"math": math_reward, "r1v": r1v_reward, "dapo": dapo_reward, "toy": t
 # ---------------------------------------------------------------------------------------------------
 # Helpers: tags, boxed answers, the grader, Minerva normalisation.
 
-def tidy_tags(text):
-    """"< think >", "</ think>", "< /answer >" -> "<think>", "</think>", "</answer>"; nothing else changes."""
-    return re.sub(r"<\s*(/?)\s*(think|answer)\s*>", r"<\1\2>", text)
+def tidy(text):
+    """text without the white space around every <, > and /: EasyR1's re.sub(r"\\s*(<|>|/)\\s*", r"\\1", text)
+    (for Qwen2.5-VL-32B's "< /think >"), in linear time: a run of white space goes when the character
+    before or after it is one of < > /."""
+    parts = re.split(r"(\s+)", text)  # [text, space, text, space, ..., text]
+    for i in range(1, len(parts), 2):
+        if parts[i - 1][-1:] in ("<", ">", "/") or parts[i + 1][:1] in ("<", ">", "/"):
+            parts[i] = ""
+    return "".join(parts)
 
 
 def last_boxed(text):

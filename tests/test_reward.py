@@ -1,6 +1,7 @@
 """reward.py: the built-in scorers on tables of tricky cases, loading EasyR1-format reward files, and
 the errors a broken reward function produces. Expected values are written out by hand."""
 
+import random
 import re
 import textwrap
 import threading
@@ -37,6 +38,10 @@ MATH_CASES = [
     ("<think>w</think> \\boxed{5}", "6", 1, 0),
     ("< think > spaced tags </ think >\n\\boxed{5}", "5", 1, 1),                     # whitespace in tags
     ("\n  <think>\nlines\n</think>\n\n\\boxed{5}\n", "5", 1, 1),                      # around the response
+    ("<think>a</think>\\boxed{5}\n", "5", 1, 1),                                     # trailing newline: .* takes it
+    ("x <think>a</think>\\boxed{5}", "5", 0, 1),                                      # text before <think>
+    ("<think><think>a</think></think>\\boxed{5}", "5", 1, 1),                         # nested tags
+    ("<think>a</think>\\boxed{1 / 2}", "0.5", 1, 1),                                  # tidied to 1/2
     ("\\boxed{5}", "5", 0, 1),                                                        # no think tags
     ("<think>x</think> 5", "5", 0, 0),                                                # no box
     ("<think>x</think> \\boxed{3} and then \\boxed{4", "4", 1, 0),                    # last box never closes
@@ -59,17 +64,33 @@ def test_math_format_weight_and_long_response_length():
     assert got["overall"] == 0.5
 
 
-MATH_REGEX = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)  # EasyR1's definition
+MATH_REGEX = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)  # EasyR1's definition, after its tidy:
+
+
+def easyr1_math_format(text):
+    return float(bool(MATH_REGEX.fullmatch(re.sub(r"\s*(<|>|/)\s*", r"\1", text))))
 
 
 @pytest.mark.parametrize("text", [
     "<think></think>\\boxed{}", "<think>a</think>b\\boxed{c}d", "<think>\\boxed{1}</think>", "<think>a</think>\\boxed{",
     "x<think>a</think>\\boxed{1}", "<think>a</think></think>\\boxed{}}", "<think>\\boxed{</think>}", "</think><think>\\boxed{1}",
-    "<think>a</think>}\\boxed{", "<think>a</think> \\boxed{\\boxed{} x",
+    "<think>a</think>}\\boxed{", "<think>a</think> \\boxed{\\boxed{} x", " \n<think>a</think>\\boxed{1}\n",
+    "x <think>a</think>\\boxed{1}", "< think >a< / think >\\boxed{1}", "<think>a</thi nk>\\boxed{1}", "<think>a<\n/think>\\boxed{1} ",
+    "\\boxed{1}<think>a</think>", "<think>a</think>\\boxed {1}", "<think>a</think>\\boxed{1}</think>", "\t<think>\n</think>\n\\boxed{x > 1}",
 ])
-def test_math_format_equals_the_regex(text):
-    """The linear-time format check agrees with the fullmatch regex it replaces."""
-    assert reward.math_reward(sample(text, "0"))["format"] == float(bool(MATH_REGEX.fullmatch(text)))
+def test_math_format_equals_easyr1(text):
+    """The linear-time format check agrees with EasyR1's: its tidy, then the fullmatch regex."""
+    assert reward.math_reward(sample(text, "0"))["format"] == easyr1_math_format(text)
+
+
+def test_tidy_is_easyr1s_substitution():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(" \n\t\u00a0<>/ab") for _ in range(rng.randrange(12)))
+        assert reward.tidy(text) == re.sub(r"\s*(<|>|/)\s*", r"\1", text), repr(text)
+    start = time.perf_counter()
+    assert reward.tidy(" " * 200_000 + "a < b") == " " * 200_000 + "a<b"  # EasyR1's regex: minutes
+    assert time.perf_counter() - start < 2.0
 
 
 def test_math_degenerate_long_response_is_fast():
@@ -120,7 +141,13 @@ R1V_CASES = [  # (response, ground truth, format, accuracy)
     ("<think>a</think><answer>5</answer>", "5", 1, 1),
     ("<think>a</think>\n\n<answer> \\frac{1}{2} </answer>", "0.5", 1, 1),
     ("<think>a</think><answer>\n12\n</answer>", "12", 1, 1),                       # multi-line answer
-    ("< think >a</ think > < answer >5</answer >", "5", 1, 1),                       # whitespace in tags
+    ("< think >a</ think > < answer >5</answer >", "5", 0, 0),                       # raw: no tidying of tags
+    ("<think>a</think><answer>5</answer>\n", "5", 0, 1),                            # newline after </answer>
+    ("<think>a</think><answer>5</answer> ", "5", 0, 1),
+    ("  <think>a</think><answer>5</answer>", "5", 0, 1),                             # leading spaces
+    ("<think>a</think> \n <answer>5</answer>", "5", 1, 1),                           # white space between: \s*
+    ("<think><think>a</think></think><answer>5</answer>", "5", 1, 1),               # nested think
+    ("<think>a</think><answer>5</answer><answer>6</answer>", "5", 1, 1),            # the first answer counts
     ("<think>a</think><answer>5</answer> trailing", "5", 0, 1),                      # text after the answer
     ("<answer>5</answer>", "5", 0, 1),                                               # no think
     ("<think>a</think><answer>6</answer>", "5", 1, 0),
