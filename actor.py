@@ -578,7 +578,7 @@ class Actor:
             optim_state = get_optimizer_state_dict(self.module, self.optimizer)
             dcp.load(optim_state, checkpoint_id=os.path.join(path, "optim"))
             set_optimizer_state_dict(self.module, self.optimizer, optim_state)
-        extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=False)
+        extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)  # tensors and plain containers
         self.optimizer_steps = extra["optimizer_steps"]
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

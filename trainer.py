@@ -173,32 +173,39 @@ class Run:
                     ref = self.workers.log_probs(samples, kind="ref")
             with timer(metrics, "adv"):
                 raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)  # [N] the reward function's
-                values = raw  # [N] the rewards: the scores, minus beta x KL when KL is in the reward
+                values, token_kl, beta = raw, None, self.kl_ctrl.value  # values: the rewards, minus beta x KL
+                lengths = [len(s["response_ids"]) for s in samples]
                 for sample, lp in zip(samples, old):
                     sample["old_logprobs"] = lp
                 if use_ref:
                     for sample, lp in zip(samples, ref):
                         sample["ref_logprobs"] = lp
-                    if not cfg.algorithm.use_kl_loss:  # KL in the reward, per response
-                        kl = torch.tensor([float(actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], cfg.algorithm.kl_penalty).sum())
-                                           for s in samples], dtype=torch.float64)
-                        values = advantage.kl_in_reward(values, kl, self.kl_ctrl.value)
-                        lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float64)
-                        current_kl = float((kl / lengths.clamp(min=1)).mean())
-                        metrics.update({"actor/kl_penalty": current_kl, "actor/kl_coef": self.kl_ctrl.value})
+                    if not cfg.algorithm.use_kl_loss:  # KL in the reward: kl_t = kl_penalty(old, ref) per token
+                        token_kl = [actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], cfg.algorithm.kl_penalty)
+                                    for s in samples]                                        # N x [L_i]
+                        kl = torch.tensor([float(k.sum()) for k in token_kl], dtype=torch.float64)  # [N]
+                        values = advantage.kl_in_reward(raw, kl, beta)
+                        current_kl = float((kl / torch.tensor(lengths).clamp(min=1)).mean())
+                        metrics.update({"actor/kl_penalty": current_kl, "actor/kl_coef": beta})
                         self.kl_ctrl.update(current_kl, n_steps=len(samples))
-                uids = [s["uid"] for s in samples]
+                uids, name = [s["uid"] for s in samples], cfg.algorithm.adv_estimator
                 baselines = None
-                if cfg.algorithm.adv_estimator == "remax":
+                if name == "remax":
                     baselines = torch.tensor([self.greedy_reward[u] for u in uids], dtype=torch.float64)
-                adv = advantage.compute_advantages(cfg.algorithm.adv_estimator, values, uids, baselines=baselines,
-                                                   norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-                for sample, a in zip(samples, adv.tolist()):
+                adv = advantage.compute_advantages(name, raw, uids, baselines=baselines, lengths=lengths, token_kl=token_kl,
+                                                   kl_coef=beta, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+                per_token = name in advantage.TOKEN_LEVEL  # adv: N tensors [L_i], else [N]
+                for sample, a in zip(samples, adv if per_token else adv.tolist()):
                     sample["advantage"] = a
-                metrics.update(advantage.advantage_metrics(raw, adv, uids))  # critic/score/*, zero_std: raw scores
-                # EasyR1's returns: the rewards-to-go for remax and REINFORCE++ (per response: all of the reward),
-                # the advantages themselves for the group estimators
-                returns = values if cfg.algorithm.adv_estimator in ("remax", "reinforce_plus_plus") else adv
+                # critic/score/* and adv/zero_std_group_frac from the raw scores; EasyR1's returns: the rewards-to-go
+                # for remax and REINFORCE++, the advantages themselves for the group estimators
+                if per_token:  # statistics over tokens, as EasyR1
+                    returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in advantage.token_rewards(raw, lengths, token_kl, beta)])
+                    metrics.update(advantage.advantage_metrics(raw, torch.stack([a.mean() for a in adv]), uids))
+                    metrics.update(_stats("critic/advantages", torch.cat(adv).tolist()))
+                else:
+                    returns = values if name == "remax" else adv
+                    metrics.update(advantage.advantage_metrics(raw, adv, uids))
                 metrics.update({**_stats("critic/rewards", values.tolist()), **_stats("critic/returns", returns.tolist())})
             with timer(metrics, "update_actor"):
                 metrics.update(self.workers.update(samples))
@@ -333,7 +340,7 @@ class Run:
                     "run (a different model or config), pick a new folder or set trainer.find_last_checkpoint=false."
                     if t.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
-        self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=False))
+        self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
         self.train_iter = iter(self.train_loader)
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
@@ -443,9 +450,11 @@ class WorkerGroup:
         self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
         self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()},
-                     **({"num_cpus": max(_usable_cpus(), self.world)} if "RAY_ADDRESS" not in os.environ
-                        and not _ray_cluster_running() else {}))
+            kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
+            if "RAY_ADDRESS" in os.environ or _ray_cluster_running():
+                ray.init(**kwargs)  # the user's cluster
+            else:
+                _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
         gpu = 1 if self.device == "cuda" else 0
         self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
@@ -536,6 +545,20 @@ def _worker_env():
 def _ray_cluster_running():
     """True when `ray start --head` runs on this machine (ray.init() then joins it, as in EasyR1)."""
     return os.path.exists("/tmp/ray/ray_current_cluster")
+
+
+def _start_local_ray(**kwargs):
+    """ray.init of a one-machine Ray whose processes listen on 127.0.0.1 only. Ray 2.x listens on every interface
+    unless the node address is 127.0.0.1, and ray.init replaces a 127.0.0.1 `_node_ip_address` with the machine's
+    address unless its single-machine switch (ray_constants.ENABLE_RAY_CLUSTER, what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    sets) is off: it is turned off around the call, and the Ray processes get 127.0.0.1 as their address."""
+    from ray._private import ray_constants
+
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        ray.init(_node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 # ----------------------------------------------------------------------------------------------

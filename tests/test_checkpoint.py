@@ -39,9 +39,9 @@ class FakeWorkers:
     def __init__(self):
         module = torch.nn.Linear(2, 2)
         optimizer = torch.optim.AdamW(module.parameters())
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: t / 20)  # warm-up over 20 steps
+        schedule = actor.lr_schedule(optimizer, trainer.OptimConfig(lr_warmup_steps=20), training_steps=100)
         self.actor = types.SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=schedule, rank=0,
-                                           sharded=False, optimizer_steps=0, total_optimizer_steps=100, lora_rank=0,
+                                           sharded=False, optimizer_steps=0, lora_rank=0,
                                            cfg=types.SimpleNamespace(model=None))
 
     def update(self):
@@ -126,6 +126,7 @@ def test_an_incomplete_last_checkpoint_falls_back_to_the_newest_complete_one(tmp
     out = capsys.readouterr().out
     assert run.step == 2 and run.train_loader.batch == 2 and run.kl_ctrl.value == 0.02
     assert run.workers.actor.optimizer_steps == 2 and run.workers.actor.optimizer.state  # the optimizer came back
+    assert run.workers.actor.lr_scheduler.get_last_lr()[0] == pytest.approx(1e-3 * 2 / 20)  # and the LR schedule
     assert f"resuming from {tmp_path / 'global_step_2'}, the newest complete checkpoint; skipped: " \
            f"global_step_3: {BREAKS[how][1]}" in out, out
 
@@ -324,3 +325,62 @@ def test_save_limit_and_the_best_validation_score_across_a_resume(tmp_path):
     run.save_checkpoint({"val/reward_score": 0.5})
     run.logger.close()
     assert folders(tmp_path) == [2, 5]
+
+
+# ----------------------------------------------------------------------------------------------
+# B7: checkpoint files load as data (weights_only), Ray listens on the loopback only
+# ----------------------------------------------------------------------------------------------
+
+class Payload:
+    """Unpickled, it creates a file: code that a checkpoint file must not be able to run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_extra_state_and_dataloader_state_load_as_data_only(tmp_path):
+    save_steps(tmp_path, [1])
+    step = tmp_path / "global_step_1"
+    marker = tmp_path / "code_ran"
+    extra = torch.load(step / "actor" / "extra_state.pt", weights_only=True)  # what save_checkpoint writes loads so
+    torch.save({**extra, "rng": {**extra["rng"], "python": Payload(str(marker))}}, step / "actor" / "extra_state.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        FakeWorkers().load(str(step / "actor"))
+    assert not marker.exists()
+    os.makedirs(tmp_path / "b")
+    save_steps(tmp_path / "b", [1])
+    step = tmp_path / "b" / "global_step_1"
+    torch.save({"batch": Payload(str(marker))}, step / "dataloader.pt")
+    run = object.__new__(trainer.Run)  # _resume alone, past the check that would skip this checkpoint
+    run.cfg, run.ckpt_root, run.workers, run.train_loader = make_cfg(), str(tmp_path / "b"), FakeWorkers(), FakeLoader()
+    run.kl_ctrl, run.best = advantage.FixedKLController(0.1), {"best_global_step": None, "best_val_reward_score": None}
+    with pytest.raises(Exception, match="Weights only load failed"):
+        run._resume(str(step))
+    assert not marker.exists()
+    assert "dataloader.pt cannot be read (UnpicklingError" in trainer._checkpoint_problem(str(step))
+
+
+def test_a_local_ray_listens_on_the_loopback_only(tmp_path):
+    """Every TCP socket that Ray's processes (GCS, raylet, workers, an actor) listen on is bound to 127.0.0.1."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, psutil, ray, trainer\n"
+        "trainer._start_local_ray(num_cpus=1, include_dashboard=False)\n"
+        "Echo = ray.remote(type('Echo', (), {'ip': lambda self: ray.util.get_node_ip_address()}))\n"
+        "ip = ray.get(Echo.remote().ip.remote())\n"
+        "me = psutil.Process()\n"
+        "bound = [c.laddr.ip for p in [me] + me.children(recursive=True) for c in p.net_connections('tcp')\n"
+        "         if c.status == psutil.CONN_LISTEN]\n"
+        "print(json.dumps({'ip': ip, 'bound': bound}))\n"
+        "ray.shutdown()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=trainer.HERE, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ip"] == "127.0.0.1"  # what the workers hand to torch.distributed as MASTER_ADDR
+    assert len(out["bound"]) >= 3 and set(out["bound"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, out["bound"]
