@@ -19,6 +19,7 @@ class FakeLoader:
         self.rows = 2048 if "train" in files else 601
         self.batch_size, self.drop_last, self.trust_remote_code = batch_size, drop_last, trust_remote_code
         self.batches_per_epoch = self.rows // batch_size
+        self.videos_per_prompt = 0
 
     def __iter__(self):
         return iter([])
@@ -362,3 +363,19 @@ def test_cosine_schedule_by_hand():
     expected = [0.0] + [2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * k / 4)) / 2) for k in range(4)]
     assert lrs == pytest.approx(expected)
     assert expected[1:] == pytest.approx([2.0, 2.0 * (0.1 + 0.45 * (1 + 0.5 ** 0.5)), 1.1, 2.0 * (0.1 + 0.45 * (1 - 0.5 ** 0.5))])
+
+
+def test_reinforce_plus_plus_gets_token_kl_and_token_returns():
+    """KL in the reward, k1 per token (OLD - REF), beta 0.1: token rewards r = score on the last token - 0.1 kl_t;
+    returns G_t = sum_{s >= t} r_s: response 1 (score 1, kl 0.5, -1): G = (1.05, 1.1); response 2: (0,);
+    response 3 (kl 1): (0.9,); response 4 (kl 0, 2): (0.8, 0.8). One advantage per token, whitened over the 6."""
+    run = step_run("algorithm.use_kl_loss=false", "algorithm.kl_penalty=kl", "algorithm.kl_coef=0.1",
+                   "algorithm.adv_estimator=reinforce_plus_plus")
+    m = run.train_step()
+    returns = torch.tensor([1.05, 1.1, 0.0, 0.9, 0.8, 0.8], dtype=torch.float64)
+    whitened = ((returns - returns.mean()) / torch.sqrt(returns.var() + 1e-8)).tolist()
+    got = torch.cat([torch.as_tensor(s["advantage"]) for s in run.workers.updated]).tolist()
+    assert got == pytest.approx(whitened, abs=1e-6)
+    assert m["critic/returns/mean"] == pytest.approx(returns.mean().item())
+    assert (m["critic/returns/max"], m["critic/returns/min"]) == pytest.approx((1.1, 0.0))
+    assert m["critic/rewards/mean"] == pytest.approx(2.75 / 4) and m["critic/score/mean"] == 0.75
