@@ -1,4 +1,4 @@
-"""data.py: from a dataset on disk or on the hub to model-ready prompts, images included.
+"""data.py: from a dataset on disk or on the hub to model-ready prompts, images and videos included.
 
 What the trainer calls:
 
@@ -16,27 +16,34 @@ What the trainer calls:
 
 Pieces, usable alone: load_rows(spec, cfg) -> Rows; PromptBuilder(cfg, processor, model_path) with
 .build(row, index, where) -> prompt and .measure(row, where) -> length; check_rows(rows, builder, workers);
-process_image(image, min_pixels, max_pixels) -> PIL.Image. Bad input raises DataError (a ValueError)
-that names the file and row.
+process_image(image, min_pixels, max_pixels) -> PIL.Image; process_video(video, min_pixels, max_pixels, fps)
+-> (frames, metadata). Bad input raises DataError (a ValueError) that names the file and row.
 
 The prompt dict (one per row; read by rollout.py, trainer.py, actor.py):
     uid                 str         f"{epoch}-{index}": unique per prompt within a run (the trainer may overwrite)
     index               int         row number in the source (over all its files, before filtering)
-    prompt_ids          list[int]   chat-templated prompt, image placeholders EXPANDED (what the actor trains on)
-    raw_prompt_ids      list[int]   the same, UNexpanded: one <|image_pad|> per image (what vLLM wants)
+    prompt_ids          list[int]   chat-templated prompt, image and video placeholders EXPANDED (what the
+                                    actor trains on)
+    raw_prompt_ids      list[int]   the same, UNexpanded: one <|image_pad|> per image, one <|video_pad|> per
+                                    video (what vLLM wants)
     prompt_text         str         the chat-templated prompt text (unexpanded)
     images              list[PIL.Image]  the resized RGB images, in order ([] for text-only rows)
-    multi_modal_inputs  dict        the processor's tensors for exactly these images: pixel_values
-                                    [patches, dim], image_grid_thw [n_images, 3]; {} for text-only rows
+    videos              list[ndarray]    each video's sampled, resized frames, uint8 [T, H, W, 3], in order
+    video_metadata      list[dict]  per video: fps (the source's), duration, total_num_frames, frames_indices,
+                                    video_backend (Qwen3-VL's timestamps, Qwen2.5-VL's seconds per patch)
+    multi_modal_inputs  dict        the processor's tensors for exactly these images and videos: pixel_values
+                                    [patches, dim], image_grid_thw [n_images, 3], pixel_values_videos
+                                    [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
     position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
                                     get_rope_index), [1, P] for text models; P = len(prompt_ids)
     ground_truth        str         the answer column
     extra               dict        the row's other columns, untouched
 
 Config attributes read (DataConfig in trainer.py, documented in configs/geo3k.yaml): prompt_key,
-answer_key, image_key, video_key, image_dir, max_prompt_length, format_prompt, override_chat_template,
-system_prompt, seed, min_pixels, max_pixels, filter_overlong_prompts, filter_overlong_prompts_workers,
-skip_bad_rows. The files, batch sizes and shuffle come as arguments. Not read: video_fps (no video here).
+answer_key, image_key, video_key, image_dir, video_fps, max_prompt_length, format_prompt,
+override_chat_template, system_prompt, seed, min_pixels, max_pixels (per image and per video frame, as in
+EasyR1), filter_overlong_prompts, filter_overlong_prompts_workers, skip_bad_rows. The files, batch sizes and
+shuffle come as arguments.
 Relative paths (sources, templates) are tried from the working directory, then from this file's folder.
 
 Differences from EasyR1 (and why):
@@ -52,9 +59,11 @@ Differences from EasyR1 (and why):
 - Prompts are built lazily per batch, ragged: no padding, no attention mask.
 - Optional system prompt. A missing format_prompt/override_chat_template file is an error naming the
   path (EasyR1 silently ignored it). configs/format/dapo.jinja has real newlines, not literal "\\n".
-- An image count that disagrees with the <image> placeholders is an error naming the row.
+- An image (video) count that disagrees with the <image> (<video>) placeholders is an error naming the row.
 - Upscaling below min_pixels rounds sides up, so the result really has at least min_pixels pixels.
-- Video is not supported here: a row with videos is a clear error.
+- Videos are decoded with PyAV (EasyR1: qwen-vl-utils), frames picked as qwen-vl-utils picks them and resized
+  like images; one row may hold images and videos together (EasyR1 took the images and dropped the videos).
+  The frames are decoded once per sample and the same frames go to vLLM and the processor.
 """
 
 import bisect
@@ -63,15 +72,19 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 
 import datasets
 import jinja2
+import numpy
 import torch
 from PIL import Image
 
 logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
+MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
+VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES = 4, 768  # bounds on the sampled frames of a video (qwen-vl-utils')
 
 
 class DataError(ValueError):
@@ -109,6 +122,7 @@ class PromptLoader:
         self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
         self.rows = load_rows(files, cfg)
         self.indices = check_rows(self.rows, self.builder, cfg.filter_overlong_prompts_workers, cfg.skip_bad_rows)
+        self.videos_per_prompt = self.rows.most_items(cfg.video_key)  # for the rollout engine's limits
         self.batch_size = len(self.indices) if batch_size == -1 else batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, cfg.seed, drop_last
         self.current_epoch, self.batch = 0, 0  # the position of the next batch
@@ -192,7 +206,8 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     if cfg.filter_overlong_prompts:
         (logger.warning if overlong else logger.info)(
             f"{rows.name}: dropped {len(overlong)} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
-            f"(image tokens included){'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
+            f"(image and video tokens included)"
+            f"{'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
     skipped = set(bad) | set(overlong)
     kept = [i for i in range(len(rows)) if i not in skipped]
     if not kept:
@@ -209,7 +224,8 @@ def _measure_rows(rows, builder, workers):
         return [_measure_row(rows, builder, i) for i in range(len(rows))]
     _MEASURING = (rows, builder)  # inherited by the forked workers: nothing is pickled but the indices
     try:
-        with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        fork = multiprocessing.get_context("fork")
+        with fork.Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
             return pool.map(_measure_in_worker, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
     finally:
         _MEASURING = None
@@ -230,7 +246,8 @@ def _measure_row(rows, builder, i):
 
 
 def _overlong(where, length, limit):
-    return (f"{where}: the prompt is {length} tokens with images expanded, more than max_prompt_length={limit}; "
+    return (f"{where}: the prompt is {length} tokens with images and videos expanded, more than "
+            f"max_prompt_length={limit}; "
             "set filter_overlong_prompts: true to drop such rows, or raise max_prompt_length, or lower max_pixels")
 
 
@@ -264,50 +281,65 @@ class PromptBuilder:
     def build(self, row, index, where):
         """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
         cfg = self.cfg
-        text, raw_images = self.prompt_text(row, where)
-        images = []
-        for k, image in enumerate(raw_images):
-            try:
-                images.append(process_image(image, cfg.min_pixels, cfg.max_pixels, cfg.image_dir))
-            except Exception as e:
-                raise DataError(f"{where}: image {k} of column '{cfg.image_key}' is unreadable: {e!r}") from e
-        raw_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        multi_modal_inputs = {}
-        if self.image_processor is None:
-            ids = torch.tensor(raw_ids)  # [P]
-        else:
-            try:
-                out = self.processor(text=[text], images=images or None, add_special_tokens=False,
-                                     return_tensors="pt")
-            except Exception as e:
-                raise DataError(f"{where}: the processor failed on this row: {e!r}") from e
-            ids = out["input_ids"][0]  # [P]
-            if images:
-                multi_modal_inputs = {"pixel_values": out["pixel_values"],       # [patches, dim]
-                                      "image_grid_thw": out["image_grid_thw"]}   # [n_images, 3]
+        text, raw_ids, out, images, videos = self.encode(row, where)
+        ids = out["input_ids"][0]  # [P]
         if len(ids) > cfg.max_prompt_length:
             raise DataError(_overlong(where, len(ids), cfg.max_prompt_length))
+        multi_modal_inputs = {k: out[k] for k in MM_KEYS if k in out}
         position_ids = torch.arange(len(ids)).unsqueeze(0)  # [1, P]
         if self.rope_model is not None:
             mrope, _ = self.rope_model.get_rope_index(  # mm_token_type_ids: text 0, image 1, video 2
                 input_ids=ids.unsqueeze(0), mm_token_type_ids=out["mm_token_type_ids"],
-                image_grid_thw=multi_modal_inputs.get("image_grid_thw"),
+                image_grid_thw=out.get("image_grid_thw"), video_grid_thw=out.get("video_grid_thw"),
+                second_per_grid_ts=out.get("second_per_grid_ts"),  # Qwen2.5-VL: temporal patch / sampled fps
                 attention_mask=torch.ones_like(ids).unsqueeze(0))  # [3, 1, P]
             position_ids = torch.cat([position_ids, mrope[:, 0].to(position_ids.dtype)])  # [4, P]
         answer = self.answer(row, where)
         skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
-                "prompt_text": text, "images": images, "multi_modal_inputs": multi_modal_inputs,
+                "prompt_text": text, "images": images, "videos": [frames for frames, _ in videos],
+                "video_metadata": [metadata for _, metadata in videos], "multi_modal_inputs": multi_modal_inputs,
                 "position_ids": position_ids, "ground_truth": str(answer),
                 "extra": {k: v for k, v in row.items() if k not in skip}}
+
+    def encode(self, row, where):
+        """(text, raw_ids, the processor's output, images resized, videos as (frames, metadata)) of one row."""
+        cfg = self.cfg
+        text, raw_images, raw_videos = self.prompt_text(row, where)
+        images, videos = [], []
+        for k, image in enumerate(raw_images):
+            try:
+                images.append(process_image(image, cfg.min_pixels, cfg.max_pixels, cfg.image_dir))
+            except Exception as e:
+                raise DataError(f"{where}: image {k} of column '{cfg.image_key}' is unreadable: {e!r}") from e
+        for k, video in enumerate(raw_videos):
+            try:
+                videos.append(process_video(video, cfg.min_pixels, cfg.max_pixels, cfg.video_fps, cfg.image_dir))
+            except Exception as e:
+                raise DataError(f"{where}: video {k} of column '{cfg.video_key}' is unreadable: {e!r}") from e
+        raw_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.image_processor is None:
+            return text, raw_ids, {"input_ids": torch.tensor([raw_ids])}, images, videos
+        # Frames are sampled already: the processor must not sample again (Qwen3-VL's would), and reads the
+        # metadata for Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch.
+        video_kwargs = ({"videos": [frames for frames, _ in videos], "do_sample_frames": False,
+                         "video_metadata": [metadata for _, metadata in videos]} if videos else {})
+        try:
+            out = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt",
+                                 **video_kwargs)
+        except Exception as e:
+            raise DataError(f"{where}: the processor failed on this row: {e!r}") from e
+        return text, raw_ids, out, images, videos
 
     def measure(self, row, where):
         """The length build() will give, checking the row on the way (answer, placeholders, every image decoded
         once: a truncated body fails here). Tokens of the unexpanded text plus, per image, its token count
         minus the one placeholder, from the size after process_image's resize through the image processor's
         own get_number_of_image_patches (no resize, no processor call)."""
-        text, images = self.prompt_text(row, where)
+        text, images, videos = self.prompt_text(row, where)
         self.answer(row, where)
+        if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
+            return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         for k, image in enumerate(images):
             try:
@@ -329,37 +361,36 @@ class PromptBuilder:
         return answer
 
     def prompt_text(self, row, where):
-        """(chat-templated text with one image placeholder per image, the row's images unopened).
+        """(chat-templated text with one placeholder per image and video, the row's images, its videos; unopened).
 
-        The prompt column goes through the format template (`content` = the text), then `<image>` marks
-        split it into image and text parts in order; an optional system message comes first; the chat
-        template adds the generation prompt."""
+        The prompt column goes through the format template (`content` = the text), then `<image>` and `<video>`
+        marks split it into image, video and text parts in order; an optional system message comes first; the
+        chat template adds the generation prompt."""
         cfg = self.cfg
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
         if self.template is not None:
             content = self.template.render(content=content)
-        if _as_list(row.get(cfg.video_key)):
-            raise DataError(f"{where}: video input is not supported in this install: data.py does not decode "
-                            "videos (that needs PyAV, decord or torchcodec, absent from requirements.txt); "
-                            f"drop column '{cfg.video_key}' or leave it empty")
-        images = _as_list(row.get(cfg.image_key))
-        if content.count("<image>") != len(images):
-            raise DataError(f"{where}: {len(images)} image(s) in column '{cfg.image_key}' but "
-                            f"{content.count('<image>')} <image> placeholder(s) in the prompt; put one <image> "
-                            "where each image goes")
-        if images and self.image_processor is None:
-            raise DataError(f"{where}: the row has images but the model is text-only (no image processor)")
-        if images:
+        images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
+        for kind, key, items in (("image", cfg.image_key, images), ("video", cfg.video_key, videos)):
+            if content.count(f"<{kind}>") != len(items):
+                raise DataError(f"{where}: {len(items)} {kind}(s) in column '{key}' but {content.count(f'<{kind}>')} "
+                                f"<{kind}> placeholder(s) in the prompt; put one <{kind}> where each {kind} goes")
+            if items and self.image_processor is None:
+                raise DataError(f"{where}: the row has {kind}s but the model is text-only (no image processor)")
+        if images or videos:
             parts = []
-            for k, piece in enumerate(content.split("<image>")):
-                parts += ([{"type": "image"}] if k else []) + ([{"type": "text", "text": piece}] if piece else [])
+            for piece in re.split(r"(<image>|<video>)", content):
+                if piece in ("<image>", "<video>"):
+                    parts.append({"type": piece[1:-1]})
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
             content = parts
         messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         messages.append({"role": "user", "content": content})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return text, images
+        return text, images, videos
 
 
 def process_image(image, min_pixels, max_pixels, image_dir=None):
@@ -376,6 +407,51 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
+def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
+    """(frames, metadata): the video decoded with PyAV, sampled at `fps` frames per second of video, each frame
+    resized as process_image resizes an image (within min/max pixels, aspect kept):
+        frames    uint8 [T, H, W, 3]  RGB
+        metadata  {fps (the source's), duration, total_num_frames, frames_indices, video_backend}: what the
+                  processor needs for Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch, and
+                  what vLLM needs with a Qwen3-VL video
+    `video`: a path (relative paths are joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}.
+    A file whose frames do not all decode (truncated, corrupt) raises."""
+    import av
+
+    with av.open(_source(video, image_dir)) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate or stream.guessed_rate or 0)
+        total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        if total < 1 or rate <= 0:
+            raise ValueError(f"no frames or no frame rate in the video stream ({total} frames at {rate} fps)")
+        indices = sample_frame_indices(total, rate, fps)
+        wanted, frames, decoded = set(indices), [], 0
+        container.seek(0)
+        for frame in container.decode(stream):
+            if decoded in wanted:
+                frames.append(numpy.asarray(process_image(frame.to_image(), min_pixels, max_pixels)))
+            decoded += 1
+            if decoded > indices[-1]:
+                break
+    if len(frames) < len(indices):
+        raise ValueError(f"only {decoded} of the {total} frames its header announces decode: truncated or corrupt")
+    metadata = {"fps": rate, "duration": total / rate, "total_num_frames": total, "frames_indices": indices,
+                "video_backend": "pyav"}
+    return numpy.stack(frames), metadata  # [T, H, W, 3]
+
+
+def sample_frame_indices(total, rate, fps):
+    """Which of `total` frames at `rate` fps to keep for `fps` sampled frames per second, as qwen-vl-utils
+    (EasyR1's video reader) picks them:
+        T = total / rate * fps, clamped to [min(4, total), min(768, total)], rounded down to an even count
+            (the temporal patch of 2 frames), at least 1;
+        indices = round(linspace(0, total - 1, T)).
+    The sampled rate the model sees is T / total * rate."""
+    low, high = min(VIDEO_MIN_FRAMES, total), min(VIDEO_MAX_FRAMES, total)
+    count = max(1, int(min(max(total / rate * fps, low), high)) // 2 * 2)
+    return torch.linspace(0, total - 1, count).round().long().tolist()
+
+
 def _target_size(width, height, min_pixels, max_pixels):
     """(width, height) after process_image's scaling (the formula is in its docstring)."""
     if width * height > max_pixels:
@@ -389,15 +465,19 @@ def _target_size(width, height, min_pixels, max_pixels):
 
 def _open_image(image, image_dir):
     """A lazily opened PIL image (only the header is read) from any accepted form."""
-    if isinstance(image, Image.Image):
-        return image
-    if isinstance(image, dict):
-        image = image.get("bytes") or image.get("path")
-    if isinstance(image, (bytes, bytearray)):
-        return Image.open(io.BytesIO(image))
-    if isinstance(image, str) and image:
-        return Image.open(os.path.join(image_dir, image) if image_dir else image)
-    raise TypeError(f"an image must be a PIL image, {{'bytes': ...}}, bytes or a path, not {type(image).__name__}")
+    return image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
+
+
+def _source(item, image_dir, what="a video"):
+    """A file object or path from bytes, a path (relative: joined to image_dir) or {"bytes": ...}/{"path": ...}."""
+    if isinstance(item, dict):
+        item = item.get("bytes") or item.get("path")
+    if isinstance(item, (bytes, bytearray)):
+        return io.BytesIO(item)
+    if isinstance(item, str) and item:
+        return os.path.join(image_dir, item) if image_dir else item
+    kinds = "a PIL image, {'bytes': ...}, bytes or a path" if what == "an image" else "{'bytes': ...}, bytes or a path"
+    raise TypeError(f"{what} must be {kinds}, not {type(item).__name__}")
 
 
 class Rows:
@@ -419,6 +499,21 @@ class Rows:
     def where(self, i):
         k = bisect.bisect_right(self.starts, i) - 1
         return f"{self.parts[k][0]} row {i - self.starts[k]}"
+
+    def most_items(self, key):
+        """The most items in column `key` of one row (0 where no file has it), read from Arrow, nothing decoded."""
+        import pyarrow
+        import pyarrow.compute
+
+        most = 0
+        for _, part in self.parts:
+            if key in part.column_names:
+                column = part.data.column(key)
+                if pyarrow.types.is_list(column.type) or pyarrow.types.is_large_list(column.type):
+                    most = max(most, pyarrow.compute.max(pyarrow.compute.list_value_length(column)).as_py() or 0)
+                else:  # one item per row
+                    most = max(most, int(column.null_count < len(column)))
+        return most
 
 
 def load_rows(spec, cfg):

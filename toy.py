@@ -14,6 +14,8 @@ What it builds, deterministically from a seed, in a few seconds, cached under `r
   colors/       train.parquet / test.parquet in the Geometry3K schema (`problem` with `<image>`,
                 `answer`, `images` as a list of {"bytes": png}): name the colour of the square.
   sums/         train.parquet / test.parquet, text only: "What is 3 + 4 ?" -> "7".
+  video_colors/ train.parquet / test.parquet with a `videos` column (MP4 bytes, 4 frames at 2 fps) and
+                `<video>` in `problem`: which colour the square has in most frames (3 of the 4).
 
 Chance on `colors` is about 1 / vocabulary for the first word of a random-init model; GRPO lifts
 greedy validation accuracy to 1.0 by step 75, in about three minutes on two CPU cores (configs/toy.yaml).
@@ -60,6 +62,7 @@ CHAT_TEMPLATE = (
 )
 
 IMAGE_SIDE = 56          # 56 x 56 pixels -> 4 x 4 patches of 14 -> 2 x 2 = 4 image tokens
+VIDEO_FRAMES, VIDEO_FPS = 4, 2  # toy clips: 2 seconds
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 112 * 112
 
@@ -72,8 +75,10 @@ def ensure_toy(root=".toy", seed=0):
     """
     root = os.path.abspath(root)
     paths = {name: os.path.join(root, name) for name in ("vl_model", "text_model", "colors", "sums")}
+    paths["video_colors"] = os.path.join(root, "video_colors")
     stamp = os.path.join(root, "VERSION")
-    if os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}":
+    if (os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}"
+            and os.path.isdir(paths["video_colors"])):
         return paths
     os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".toy-build-", dir=os.path.dirname(root) or ".")
@@ -82,6 +87,7 @@ def ensure_toy(root=".toy", seed=0):
     build_text_model(os.path.join(tmp, "text_model"), tokenizer, seed)
     write_colors_task(os.path.join(tmp, "colors"), seed, n_train=512, n_test=64)
     write_sums_task(os.path.join(tmp, "sums"), seed, n_train=512, n_test=64)
+    write_video_task(os.path.join(tmp, "video_colors"), seed, n_train=256, n_test=32)
     with open(os.path.join(tmp, "VERSION"), "w") as f:
         f.write(f"{TOY_VERSION} {seed}\n")
     try:
@@ -254,6 +260,36 @@ def write_sums_task(path, seed, n_train, n_test):
         a, b = rng.randint(0, 4), rng.randint(0, 4)
         rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
     _write_parquet(path, rows[:n_train], rows[n_train:])
+
+
+def write_video_task(path, seed, n_train, n_test):
+    """Which colour is the square in most frames: VIDEO_FRAMES frames (a toy image each), all but one of one
+    colour, the odd one of another, in random order. At data.video_fps = VIDEO_FPS every frame is sampled:
+    2 temporal patches of 2 x 2 merged patches, 8 video tokens."""
+    rng = random.Random(seed + 3)
+    rows = []
+    for _ in range(n_train + n_test):
+        color, other = rng.sample(sorted(COLORS), 2)
+        colors = [color] * (VIDEO_FRAMES - 1) + [other]
+        rng.shuffle(colors)
+        clip = video_bytes([color_image(c, rng) for c in colors], VIDEO_FPS)
+        rows.append({"problem": "<video>What colour is the square in most frames?", "answer": color,
+                     "videos": [{"bytes": clip, "path": None}]})
+    _write_parquet(path, rows[:n_train], rows[n_train:])
+
+
+def video_bytes(frames, fps):
+    """An MP4 of RGB frames (PIL images of one even size), MPEG-4 Part 2: an encoder every FFmpeg (and PyAV) has."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(frame)))
+        container.mux(stream.encode())  # flush
+    return buf.getvalue()
 
 
 def _write_parquet(path, train, test):

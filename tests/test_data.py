@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 import data
+import toy as toy_world
 from trainer import DataConfig
 
 torch.set_num_threads(1)
@@ -56,8 +57,17 @@ def chat(user, system=None):
     return head + f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def vision(n=1):
-    return "<|vision_start|><|image_pad|><|vision_end|>" * n
+def vision(n=1, pad="<|image_pad|>"):
+    return f"<|vision_start|>{pad}<|vision_end|>" * n
+
+
+COLOR_LIST = [(220, 30, 30), (30, 180, 40), (30, 60, 220), (230, 210, 20), (200, 0, 200), (0, 200, 200),
+              (120, 60, 0), (250, 250, 250)]
+
+
+def clip(n=8, size=(56, 56), fps=4):
+    """MP4 bytes of n plain frames, frame i in COLOR_LIST[i % 8]."""
+    return toy_world.video_bytes([Image.new("RGB", size, COLOR_LIST[i % 8]) for i in range(n)], fps)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +130,94 @@ def test_process_image_accepts_every_form(tmp_path):
     assert data.process_image("a.png", 1000, 100000, image_dir=str(tmp_path)).tobytes() == reference.tobytes()
     with pytest.raises(TypeError, match="an image must be"):
         data.process_image(42, 1000, 100000)
+
+
+# ---------------------------------------------------------------------------------------------- videos
+
+def test_sample_frame_indices_by_hand():
+    # T = total / rate * fps, clamped to [min(4, total), min(768, total)], down to even; round(linspace(0, N-1, T)).
+    assert data.sample_frame_indices(8, 4.0, 2.0) == [0, 2, 5, 7]                    # 4 frames: 0, 2.33, 4.67, 7
+    assert data.sample_frame_indices(100, 25.0, 2.0) == [0, 14, 28, 42, 57, 71, 85, 99]  # 8: steps of 14.14
+    assert data.sample_frame_indices(6, 30.0, 2.0) == [0, 2, 3, 5]                   # 0.4 -> at least 4
+    assert data.sample_frame_indices(50, 10.0, 1.4) == [0, 10, 20, 29, 39, 49]      # 7 -> 6 (even)
+    assert data.sample_frame_indices(3, 30.0, 2.0) == [0, 2]                         # 3 frames -> 2
+    assert data.sample_frame_indices(1, 30.0, 2.0) == [0]
+    assert len(data.sample_frame_indices(10000, 1.0, 2.0)) == 768
+
+
+def test_process_video_decodes_samples_and_resizes(tmp_path):
+    raw = clip(8, size=(200, 100), fps=4)
+    (tmp_path / "c.mp4").write_bytes(raw)
+    frames, metadata = data.process_video(raw, 3136, 12544, 2.0)
+    # 8 frames at 4 fps sampled at 2 fps: frames 0, 2, 5, 7; 200x100 down to 12544 px as an image: 158 x 79.
+    assert frames.shape == (4, 79, 158, 3) and frames.dtype.name == "uint8"
+    assert metadata == {"fps": 4.0, "duration": 2.0, "total_num_frames": 8, "frames_indices": [0, 2, 5, 7],
+                        "video_backend": "pyav"}
+    centre = torch.tensor(frames[:, 40, 79].astype("int64"))
+    expected = torch.tensor([COLOR_LIST[i] for i in (0, 2, 5, 7)])
+    assert (centre - expected).abs().max() <= 12  # lossy MPEG-4: within a few levels
+    path = str(tmp_path / "c.mp4")
+    for form in ({"bytes": raw, "path": None}, {"bytes": None, "path": path}, path):
+        assert (data.process_video(form, 3136, 12544, 2.0)[0] == frames).all()
+    assert (data.process_video("c.mp4", 3136, 12544, 2.0, image_dir=str(tmp_path))[0] == frames).all()
+    small, _ = data.process_video(clip(4, size=(20, 20), fps=2), 3136, 12544, 2.0)  # up to 3136 px: 56 x 56
+    assert small.shape == (4, 56, 56, 3)
+
+
+def test_video_and_image_prompt_matches_processor_rope_and_forward(toy, vl, model, processor):
+    raw = clip(8, fps=4)
+    row = {"problem": "<video>Which colour comes first? <image>", "answer": "red", "videos": [raw],
+           "images": [png(56, 56)]}
+    prompt = vl.build(row, 0, "mem row 0")
+    assert prompt["prompt_text"] == chat(vision(pad="<|video_pad|>") + "Which colour comes first? " + vision())
+    frames, metadata = data.process_video(raw, 3136, 12544, 2.0)
+    assert len(prompt["videos"]) == 1 and (prompt["videos"][0] == frames).all()
+    assert prompt["video_metadata"] == [metadata]
+    # The processor's own outputs on the same frames and metadata (frames not sampled again) are the reference.
+    ref = processor(text=[prompt["prompt_text"]], images=prompt["images"], videos=[frames], video_metadata=[metadata],
+                    do_sample_frames=False, return_tensors="pt")
+    assert prompt["prompt_ids"] == ref["input_ids"][0].tolist()
+    mm = prompt["multi_modal_inputs"]
+    assert mm["video_grid_thw"].tolist() == [[2, 4, 4]]
+    assert torch.equal(mm["pixel_values_videos"], ref["pixel_values_videos"])
+    assert torch.equal(mm["pixel_values"], ref["pixel_values"])
+    # Positions by hand (Qwen2.5-VL): the video's 2 temporal patches of 2x2 merged tokens at t = k and
+    # k + second_per_grid * tokens_per_second = k + (2 / sampled fps 2) * 4 = k + 4; h, w as for an image;
+    # the text after it resumes at k + 2.
+    k = prompt["raw_prompt_ids"].index(processor.tokenizer.convert_tokens_to_ids("<|video_pad|>"))
+    t_row, h_row, w_row = prompt["position_ids"][1:, k:k + 8].tolist()
+    assert t_row == [k] * 4 + [k + 4] * 4
+    assert h_row == [k, k, k + 1, k + 1] * 2 and w_row == [k, k + 1, k, k + 1] * 2
+    assert prompt["position_ids"][1:, k + 8].tolist() == [k + 2] * 3
+    rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
+                                         image_grid_thw=ref["image_grid_thw"], video_grid_thw=ref["video_grid_thw"],
+                                         second_per_grid_ts=ref["second_per_grid_ts"])
+    assert torch.equal(prompt["position_ids"][1:], rope[:, 0])
+    with torch.no_grad():
+        reference = model(**ref).logits[0]
+    torch.testing.assert_close(forward(model, prompt), reference, rtol=1e-5, atol=1e-5)
+    assert vl.measure(row, "mem row 0") == len(prompt["prompt_ids"])
+
+
+def test_mixed_rows_text_image_video_in_one_batch(tmp_path, toy, model):
+    raw = clip(4, fps=2)
+    rows = [{"problem": "What is 3 + 4?", "answer": "7", "images": [], "videos": []},
+            {"problem": "<image>What colour?", "answer": "red", "images": [png(56, 56)], "videos": []},
+            {"problem": "<video>What colour?", "answer": "red", "images": [], "videos": [raw]},
+            {"problem": "<image> then <video> and <video>?", "answer": "red", "images": [png(56, 56)],
+             "videos": [raw, raw]}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "mix.parquet")
+    mixed = loader(toy["vl_model"], str(tmp_path / "mix.parquet"), batch_size=4, shuffle=False)
+    assert mixed.videos_per_prompt == 2
+    batch = next(mixed)
+    assert [(len(p["images"]), len(p["videos"])) for p in batch] == [(0, 0), (1, 0), (0, 1), (1, 2)]
+    for prompt in batch:
+        assert prompt["prompt_text"].count("<|video_pad|>") == len(prompt["videos"])
+        grids = prompt["multi_modal_inputs"].get("video_grid_thw")
+        assert prompt["prompt_ids"].count(6) == (0 if grids is None else int(grids.prod(-1).sum()) // 4)
+        assert torch.isfinite(forward(model, prompt)).all()
+    assert loader(toy["vl_model"], str(tmp_path / "mix.parquet"), batch_size=4).videos_per_prompt == 2
+    assert loader(toy["vl_model"], os.path.join(toy["colors"], "test.parquet"), batch_size=4).videos_per_prompt == 0
 
 
 # --------------------------------------------------------------------------------------------- sources
@@ -286,12 +384,12 @@ def test_text_only_rows_on_the_vl_model_and_on_a_text_model(toy, model):
 def test_format_templates_system_prompt_and_chat_template_override(tmp_path, toy):
     row = {"problem": "  <image>What colour is the square?  ", "answer": "red", "images": [png(56, 56)]}
     math_prompt = builder(toy["vl_model"], config(format_prompt="configs/format/math.jinja"))
-    text, _ = math_prompt.prompt_text(row, "mem row 0")
+    text = math_prompt.prompt_text(row, "mem row 0")[0]
     assert text == chat(vision() + QUESTION + " You FIRST think about the reasoning process as an internal "
                         "monologue and then provide the final answer. The reasoning process MUST BE enclosed "
                         "within <think> </think> tags. The final answer MUST BE put in \\boxed{}.")
     dapo = builder(toy["text_model"], config(format_prompt="configs/format/dapo.jinja"))
-    text, _ = dapo.prompt_text({"problem": "What is 3 + 4?", "answer": "7"}, "mem row 0")
+    text = dapo.prompt_text({"problem": "What is 3 + 4?", "answer": "7"}, "mem row 0")[0]
     assert "\n\nWhat is 3 + 4?\n\nRemember to put your answer" in text and "\\n" not in text
     (tmp_path / "chat.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                                          "{% if add_generation_prompt %}[assistant] {% endif %}")
@@ -380,7 +478,8 @@ def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, t
     unfiltered = config(max_prompt_length=limit, filter_overlong_prompts=False)
     first_long = next(i for i, n in enumerate(lengths) if n > limit)
     with pytest.raises(data.DataError, match=rf"mix.parquet row {first_long}: the prompt is {lengths[first_long]} "
-                                             rf"tokens with images expanded, more than max_prompt_length={limit}"):
+                                             rf"tokens with images and videos expanded, more than "
+                                             rf"max_prompt_length={limit}"):
         loader(toy["vl_model"], path, unfiltered, batch_size=-1, shuffle=False)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="data"):
@@ -479,6 +578,8 @@ def _truncated_png():
 
 
 TRUNCATED = _truncated_png()
+CLIP = clip(4, fps=2)
+TRUNCATED_CLIP = CLIP[:len(CLIP) // 2]
 BAD_ROWS = {
     "unreadable image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": b"not a png", "path": None}]},
                          "image 0 of column 'images' is unreadable"),
@@ -490,8 +591,17 @@ BAD_ROWS = {
                               r"1 image\(s\) in column 'images' but 0 <image> placeholder"),
     "placeholders, no image": ({"problem": "<image><image>Q?", "answer": "a", "images": []},
                                r"0 image\(s\) in column 'images' but 2 <image> placeholder"),
-    "video": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": ["clip.mp4"]},
-              "video input is not supported in this install"),
+    "missing video file": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": ["/no/clip.mp4"]},
+                           "video 0 of column 'videos' is unreadable: .*No such file"),
+    "corrupt video": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": [b"not a video"]},
+                      "video 0 of column 'videos' is unreadable"),
+    "truncated video": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": [TRUNCATED_CLIP]},
+                        "video 0 of column 'videos' is unreadable"),
+    "video, no placeholder": ({"problem": "Q?", "answer": "a", "images": [], "videos": [CLIP]},
+                              r"1 video\(s\) in column 'videos' but 0 <video> placeholder"),
+    "placeholders, no video": ({"problem": "<video><image>Q?", "answer": "a", "videos": [],
+                                "images": [{"bytes": png(56, 56), "path": None}]},
+                               r"0 video\(s\) in column 'videos' but 1 <video> placeholder"),
     "null answer": ({"problem": "Q?", "answer": None, "images": []}, "no answer in column 'answer'"),
     "truncated image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": TRUNCATED, "path": None}]},
                         "image 0 of column 'images' is unreadable: .*truncated"),
@@ -571,15 +681,24 @@ def tiny_family(family, path, toy):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_qwen2_vl_and_qwen3_vl_prompts_match_their_models(family, tmp_path, toy):
     model, processor = tiny_family(family, str(tmp_path / family), toy)
-    family_builder = builder(str(tmp_path / family), config(min_pixels=4096, max_pixels=16384))
+    family_builder = builder(str(tmp_path / family), config(min_pixels=4096, max_pixels=16384, max_prompt_length=1024))
     row = {"problem": "<image>What is <image> 3 + 4?", "answer": "7",
            "images": [png(64, 64), {"bytes": png(200, 90), "path": None}]}
     text_row = {"problem": "What is 3 + 4?", "answer": "7"}
-    for prompt in (family_builder.build(row, 0, "r0"), family_builder.build(text_row, 1, "r1")):
-        ref = processor(text=[prompt["prompt_text"]], images=prompt["images"] or None, return_tensors="pt")
+    video_row = {"problem": "<video>Which colour, <image>?", "answer": "red", "images": [png(64, 64)],
+                 "videos": [clip(8, size=(64, 64), fps=4)]}
+    for prompt in (family_builder.build(row, 0, "r0"), family_builder.build(text_row, 1, "r1"),
+                   family_builder.build(video_row, 2, "r2")):
+        videos = {"videos": prompt["videos"], "video_metadata": prompt["video_metadata"],
+                  "do_sample_frames": False} if prompt["videos"] else {}
+        ref = processor(text=[prompt["prompt_text"]], images=prompt["images"] or None, return_tensors="pt", **videos)
         assert prompt["prompt_ids"] == ref["input_ids"][0].tolist()
+        if family == "qwen3_vl" and videos:  # Qwen3-VL: a timestamp before each temporal patch (frames 0,2 / 5,7)
+            assert "<0.2 seconds>" in processor.decode(prompt["prompt_ids"]) and "<1.5 seconds>" in processor.decode(
+                prompt["prompt_ids"])
         rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
-                                             image_grid_thw=ref.get("image_grid_thw"))
+                                             image_grid_thw=ref.get("image_grid_thw"),
+                                             video_grid_thw=ref.get("video_grid_thw"))
         assert torch.equal(prompt["position_ids"][1:], rope[:, 0])
         with torch.no_grad():
             reference = model(**ref).logits[0]
