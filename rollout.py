@@ -11,12 +11,14 @@
 Config attributes read (RolloutConfig in trainer.py, documented in configs/geo3k.yaml): name, n, temperature,
 top_p, top_k, dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization, enforce_eager,
 enable_chunked_prefill, tensor_parallel_size, max_model_len, max_num_batched_tokens, disable_log_stats,
-disable_tqdm. Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps
-decoding past EOS (throughput runs); the response is still cut after its first EOS, as EasyR1's mask does.
+disable_tqdm, and limit_videos (not a key: the trainer sets it to the most videos in one row of the data).
+Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps decoding past EOS
+(throughput runs); the response is still cut after its first EOS, as EasyR1's mask does.
 
-Prompt keys read (made by data.py): uid; hf: prompt_ids (image placeholders expanded), multi_modal_inputs
-(pixel_values, image_grid_thw, ... concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text;
-optional for text-only prompts); vllm: raw_prompt_ids (one placeholder per image), images.
+Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
+multi_modal_inputs (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, concatenated over the
+batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional for text-only prompts); vllm: raw_prompt_ids (one
+placeholder per image or video), images, videos (sampled frames [T, H, W, 3]) and video_metadata.
 
 Each response is a dict:
     prompt_index:   int         index into the prompts given to generate()
@@ -283,8 +285,12 @@ class VLLMRollout:
         config = AutoConfig.from_pretrained(model_path)
         self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
-        # No videos (data.py refuses them), so vLLM neither profiles nor reserves memory for one.
-        limits = {"video": 0} | ({"image": cfg.limit_images} if cfg.limit_images > 0 else {})
+        # Videos per prompt: the most in one row of the data (the trainer sets limit_videos); 0 when the data has
+        # none, so vLLM neither profiles nor reserves memory for a video.
+        limits = {"video": getattr(cfg, "limit_videos", 0)}
+        limits |= {"image": cfg.limit_images} if cfg.limit_images > 0 else {}
+        # Qwen3-VL's video tokens carry timestamps: vLLM wants each video with its metadata (as EasyR1 sends it).
+        self.video_metadata = config.model_type in ("qwen3_vl", "qwen3_vl_moe")
         extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
         self.llm = vllm.LLM(
             model=model_path, tokenizer=tokenizer_path, load_format="dummy",
@@ -310,6 +316,7 @@ class VLLMRollout:
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="raw_prompt_ids")
         self.wake_up()
         mine = [{"raw_prompt_ids": list(p["raw_prompt_ids"]), "images": list(p.get("images") or []),
+                 "videos": list(p.get("videos") or []), "video_metadata": list(p.get("video_metadata") or []),
                  "uid": p["uid"]} for p in prompts]
         group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
         if not group:
@@ -317,9 +324,15 @@ class VLLMRollout:
         requests, params = [], []
         for i, prompt in enumerate(group):
             for j in range(n):
-                request = {"prompt_token_ids": prompt["raw_prompt_ids"]}
+                request = {"prompt_token_ids": prompt["raw_prompt_ids"], "multi_modal_data": {}}
                 if prompt["images"]:
-                    request["multi_modal_data"] = {"image": prompt["images"]}
+                    request["multi_modal_data"]["image"] = prompt["images"]
+                if prompt["videos"]:  # frames sampled by data.py: vLLM must not sample again
+                    videos = zip(prompt["videos"], prompt["video_metadata"])
+                    request["multi_modal_data"]["video"] = ([(v, {**m, "do_sample_frames": False}) for v, m in videos]
+                                                            if self.video_metadata else prompt["videos"])
+                if not request["multi_modal_data"]:
+                    del request["multi_modal_data"]
                 requests.append(request)
                 params.append(self.SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,

@@ -110,7 +110,7 @@ def reference_logprobs(model, prompt, response_ids, temperature, top_k=-1, top_p
     ids = torch.tensor([prompt["prompt_ids"] + response_ids])
     kwargs = dict(prompt.get("multi_modal_inputs") or {})
     if hasattr(model.config, "vision_config"):
-        kwargs["mm_token_type_ids"] = (ids == IMAGE_PAD).long()
+        kwargs["mm_token_type_ids"] = (ids == IMAGE_PAD).long() + 2 * (ids == VIDEO_PAD).long()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits[0].float()
     P, T = len(prompt["prompt_ids"]), len(response_ids)
@@ -199,6 +199,45 @@ def test_logprobs_equal_an_independent_forward(engine, world, temperature, top_k
     assert worst < engine.tolerance, f"max |logp_rollout - logp_reference| = {worst}"
 
 
+def test_video_prompts_logprobs_equal_an_independent_forward(engine, world):
+    """Video, image + video and text prompts in one batch, as data.py makes them (sampled frames and their
+    metadata, the processor's tensors, the model's own positions with the video's temporal ones)."""
+    import numpy
+
+    import toy as toy_world
+
+    processor, model, rng = world.processor, world.reference, random.Random(1)
+    frames = numpy.stack([numpy.asarray(toy_world.color_image(c, rng)) for c in ("red", "red", "blue", "red")])
+    metadata = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
+                "video_backend": "pyav"}
+    prompts = []
+    for uid, content, image in (("v", [{"type": "video"}, {"type": "text", "text": "What colour?"}], None),
+                                ("iv", [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Same?"}],
+                                 toy_world.color_image("green", rng))):
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        enc = processor(text=[text], images=[image] if image else None, videos=[frames], video_metadata=[metadata],
+                        do_sample_frames=False, return_tensors="pt")
+        mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                  "second_per_grid_ts") if k in enc}
+        mrope, _ = model.model.get_rope_index(enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"],
+                                              image_grid_thw=mm.get("image_grid_thw"),
+                                              video_grid_thw=mm["video_grid_thw"],
+                                              second_per_grid_ts=mm["second_per_grid_ts"])
+        P = enc["input_ids"].shape[1]
+        assert (mrope[0, 0] != mrope[1, 0]).any()  # the temporal row differs: a wrong one would show
+        prompts.append({"uid": uid, "prompt_ids": enc["input_ids"][0].tolist(),
+                        "raw_prompt_ids": processor.tokenizer(text)["input_ids"], "images": [image] if image else [],
+                        "videos": [frames], "video_metadata": [metadata], "multi_modal_inputs": mm,
+                        "position_ids": torch.cat([torch.arange(P)[None], mrope[:, 0]])})
+    fresh(engine, world)
+    out = engine.generate(prompts + [world.prompts[1]], n=2, temperature=1.0, max_tokens=6, seed=3)
+    assert [r["uid"] for r in out] == ["v", "v", "iv", "iv", "b", "b"]
+    worst = max((torch.tensor(r["logprobs"]) - reference_logprobs(model, (prompts + [world.prompts[1]])[
+        r["prompt_index"]], r["response_ids"], 1.0)).abs().max().item() for r in out)
+    assert worst < engine.tolerance, f"max |logp_rollout - logp_reference| = {worst}"
+
+
 def test_batched_left_padded_equals_one_by_one_greedy(engine, world):
     fresh(engine, world)
     settings = dict(n=1, temperature=0.0, max_tokens=8, seed=0)
@@ -263,6 +302,71 @@ def test_text_only_model(toy):
     for r in out:
         expected = reference_logprobs(reference, prompts[r["prompt_index"]], r["response_ids"], 0.8, banned=())
         assert (torch.tensor(r["logprobs"]) - expected).abs().max().item() < HF_TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy, tmp_path, monkeypatch):
+    """No GPU needed: a stand-in vLLM records what the engine hands it. Videos go as multi_modal_data
+    {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
+    already), as EasyR1 sends them; limit_mm_per_prompt allows as many videos as the data has (0 without)."""
+    import sys
+
+    import numpy
+    from transformers import AutoConfig, Qwen3VLConfig
+
+    calls = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            calls["init"] = kwargs
+            model = types.SimpleNamespace(load_weights=lambda named: list(named))
+            runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(worker=runner)))
+
+        def sleep(self, level):
+            pass
+
+        def wake_up(self, tags=None):
+            pass
+
+        def generate(self, requests, params, use_tqdm):
+            calls["requests"] = requests
+            step = {IM_END: types.SimpleNamespace(logprob=-0.5)}
+            done = types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[IM_END], logprobs=[step])])
+            return [done] * len(requests)
+
+    parallel_state = types.SimpleNamespace(model_parallel_is_initialized=lambda: False)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw))
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.SimpleNamespace(parallel_state=parallel_state))
+    path = toy["vl_model"]
+    if family == "qwen3_vl":
+        path = str(tmp_path / "qwen3")
+        Qwen3VLConfig(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD).save_pretrained(path)
+    assert AutoConfig.from_pretrained(path).model_type == family
+    frames = numpy.zeros((4, 56, 56, 3), numpy.uint8)
+    metadata = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
+                "video_backend": "pyav"}
+    prompts = [{"uid": "v", "raw_prompt_ids": [1, 3, VIDEO_PAD, 4, 9], "images": [], "videos": [frames, frames],
+                "video_metadata": [metadata, metadata]},
+               {"uid": "t", "raw_prompt_ids": [1, 9], "images": [], "videos": [], "video_metadata": []}]
+    for limit in (0, 2):
+        cfg = config(name="vllm")
+        if limit:
+            cfg.limit_videos = limit  # the trainer sets it from the data
+        engine = rollout.make_rollout(cfg, path, max_prompt_length=64, max_response_length=8, device="cuda",
+                                      tokenizer_path=toy["vl_model"])
+        assert calls["init"]["limit_mm_per_prompt"] == {"video": limit, "image": 1}
+    engine.load_weights(iter([]))
+    out = engine.generate(prompts, n=1, max_tokens=4, seed=0)
+    assert [r["response_ids"] for r in out] == [[IM_END], [IM_END]]
+    video, text = calls["requests"]
+    assert "multi_modal_data" not in text and video["prompt_token_ids"] == [1, 3, VIDEO_PAD, 4, 9]
+    sent = video["multi_modal_data"]["video"]
+    if family == "qwen3_vl":
+        assert [m for _, m in sent] == [{**metadata, "do_sample_frames": False}] * 2
+        sent = [v for v, _ in sent]
+    assert len(sent) == 2 and all(v is frames for v in sent)
 
 
 def test_sampler_draws_from_the_processed_distribution():
