@@ -104,24 +104,30 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, toy):
 
 @pytest.mark.slow
 def test_sigkill_at_any_point_resumes_from_last_complete_checkpoint(tmp_path, toy):
-    args = [sys.executable, os.path.join(ROOT, "trainer.py"), *toy_overrides(tmp_path, toy, steps=4)]
+    """Killed while a checkpoint is written and again shortly into the resumed run, a run with save_freq 2 ends
+    with each step's row in the log exactly once, in order; the rows up to the checkpoint it resumed from are
+    the first run's."""
+    args = [sys.executable, os.path.join(ROOT, "trainer.py"), *toy_overrides(tmp_path, toy, "trainer.save_freq=2", steps=6)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     tracker = tmp_path / "checkpoint_tracker.json"
 
     def last_step():
         return json.load(open(tracker))["last_global_step"] if tracker.exists() else 0
 
-    # Kill 1: as soon as step 2's checkpoint folder appears, i.e. in the middle of saving it.
+    def logged():
+        return (tmp_path / "experiment_log.jsonl").read_text().splitlines()
+
+    # Kill 1: as soon as step 4's checkpoint folder appears, i.e. in the middle of saving it (rows 1-3 logged).
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
-    while not (tmp_path / "global_step_2").exists() and time.time() < deadline and proc.poll() is None:
+    while not (tmp_path / "global_step_4").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert last_step() == 1, "the tracker must not point at a checkpoint that was being written"
-    lines_before = (tmp_path / "experiment_log.jsonl").read_text().splitlines()
-    assert len(lines_before) >= 1
+    assert last_step() == 2, "the tracker must not point at a checkpoint that was being written"
+    lines_before = logged()
+    assert [json.loads(line)["step"] for line in lines_before[:3]] == [1, 2, 3]
     # Kill 2: a moment into the resumed run (during start-up or generation).
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -131,10 +137,10 @@ def test_sigkill_at_any_point_resumes_from_last_complete_checkpoint(tmp_path, to
     # Finally it runs to the end from whatever checkpoint was complete.
     proc = run_trainer(args[2:])
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert last_step() == 4
-    lines_after = (tmp_path / "experiment_log.jsonl").read_text().splitlines()
-    assert lines_after[:len(lines_before)] == lines_before  # nothing logged before a crash is lost
-    assert {json.loads(l)["step"] for l in lines_after} == {1, 2, 3, 4}
+    assert last_step() == 6
+    lines_after = logged()
+    assert [json.loads(line)["step"] for line in lines_after] == [1, 2, 3, 4, 5, 6]  # each once, in order
+    assert lines_after[:2] == lines_before[:2]  # the rows up to the checkpoint resumed from, as first written
 
 
 @pytest.mark.slow
