@@ -25,6 +25,10 @@ Differences from EasyR1, and why:
   such values on, where a NaN silently poisons the whole batch's advantages.
 - Keyword arguments are checked against the function's signature when it is loaded, not at the
   first call in the middle of a run.
+- A time limit per call (worker.reward.call_timeout; EasyR1 has none, and a function that never
+  returns hangs training there): the step fails naming the function and the sample. With a limit, the
+  function runs in a reward process forked once at load time and killed at a timeout (see
+  RewardFunction); module-level state persists there between calls, as in EasyR1's reward worker.
 - Answers are compared with math-verify (parse + verify, a SymPy-based grader) instead of mathruler,
   after a plain string match. Every parse and comparison has a timeout, so one pathological
   expression (say 9^{9^{9}}) counts as wrong instead of hanging training.
@@ -41,10 +45,12 @@ Differences from EasyR1, and why:
 import importlib.util
 import inspect
 import math
+import multiprocessing
 import os
 import re
 import sys
 import threading
+import traceback
 
 from math_verify import parse, verify
 
@@ -53,14 +59,15 @@ class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names it and the sample."""
 
 
-def load_reward_function(spec, **kwargs):
+def load_reward_function(spec, call_timeout=None, **kwargs):
     """A checked, callable reward function from a built-in name or "path/file.py:function".
 
     spec: "math" | "r1v" | "dapo" | "toy", or "path/file.py:function" (function defaults to main; the
     path is relative to the working directory). kwargs are passed to every call of the function.
+    call_timeout: seconds one call may take (worker.reward.call_timeout), None for no limit.
     """
     if spec in BUILTIN:
-        return RewardFunction(BUILTIN[spec], spec, "sequential", kwargs)
+        return RewardFunction(BUILTIN[spec], spec, "sequential", kwargs, call_timeout)
     path, _, fn_name = spec.rpartition(":") if ":" in spec else (spec, "", "main")
     fn_name = fn_name or "main"
     if not path.endswith(".py"):
@@ -81,19 +88,34 @@ def load_reward_function(spec, **kwargs):
     reward_type = getattr(module, "REWARD_TYPE", "batch")
     if reward_type not in ("batch", "sequential"):
         raise RewardError(f"{path}: REWARD_TYPE = {reward_type!r}; it must be 'batch' or 'sequential'")
-    return RewardFunction(fn, f"{os.path.basename(path)}:{fn_name}", reward_type, kwargs)
+    return RewardFunction(fn, f"{os.path.basename(path)}:{fn_name}", reward_type, kwargs, call_timeout)
 
 
 class RewardFunction:
-    """A reward function with its kwargs bound; calling it scores a list of inputs and checks the results."""
+    """A reward function with its kwargs bound; calling it scores a list of inputs and checks the results.
 
-    def __init__(self, fn, name, reward_type, kwargs):
+    call_timeout (seconds, or None for no limit) bounds every call of the function: one per sample for a
+    sequential function, one per batch for a batch function. With a limit the function runs in a
+    reward process, forked here (before the trainer starts Ray or any threads, and without pickling the
+    function) and serving calls over a pipe; at a timeout it is killed and the step fails, naming the
+    function and the sample (for a batch, the first sample that also times out alone). A thread would
+    not do: Python cannot stop a thread, and a thread stuck in C code that holds the GIL (a regex
+    backtracking on a long response) blocks the trainer too, so its timeout would never fire.
+    """
+
+    def __init__(self, fn, name, reward_type, kwargs, call_timeout=None):
         self.fn, self.name, self.reward_type, self.kwargs = fn, name, reward_type, dict(kwargs)
         try:  # the first argument is the input (or the list of inputs)
             inspect.signature(fn).bind(None, **self.kwargs)
         except TypeError as e:
             raise RewardError(f"reward function {name!r} cannot take the keyword arguments {sorted(self.kwargs)} "
                               f"(worker.reward.reward_function_kwargs): {e}") from None
+        if call_timeout is not None and not call_timeout > 0:
+            raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0, "
+                              f"or null for no limit")
+        self.call_timeout, self._worker = call_timeout, None  # _worker: (process, pipe) once started
+        if call_timeout is not None:
+            self._start()
 
     def __call__(self, inputs):
         """inputs: list of reward-input dicts -> list of {key: float} with "overall", same order."""
@@ -101,19 +123,18 @@ class RewardFunction:
             results = []
             for i, sample in enumerate(inputs):
                 try:
-                    results.append(self.fn(sample, **self.kwargs))
-                except Exception as e:
-                    raise self._error(inputs, i, f"raised {type(e).__name__}: {e}") from e
+                    results.append(self._call(sample))
+                except _Failed as e:
+                    raise self._error(inputs, i, e.what) from e.__cause__
         else:
             try:
-                results = self.fn(list(inputs), **self.kwargs)
-            except Exception as e:
-                i = self._first_failing_sample(inputs)
-                where = f"raised {type(e).__name__}: {e}"
-                if i is None:
-                    raise RewardError(f"reward function {self.name!r} {where} on a batch of {len(inputs)} "
-                                      f"(no single sample fails alone)") from e
-                raise self._error(inputs, i, where) from e
+                results = self._call(list(inputs))
+            except _Failed as e:
+                failing = self._first_failing_sample(inputs)
+                if failing is None:
+                    raise RewardError(f"reward function {self.name!r} {e.what} on a batch of {len(inputs)} "
+                                      f"(no single sample fails alone)") from e.__cause__
+                raise self._error(inputs, failing[0], failing[1]) from e.__cause__
             if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
                 got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
                 raise RewardError(f"reward function {self.name!r} (REWARD_TYPE batch) returned {got} for "
@@ -142,14 +163,72 @@ class RewardFunction:
         return scores
 
     def _first_failing_sample(self, inputs):
-        """Index of the first input on which the batch function raises when called alone, or None.
-        (Only after a failure: it calls the function once per sample.)"""
+        """(index, what went wrong) of the first input on which the batch function raises or times out
+        when called alone, or None. (Only after a failure: it calls the function once per sample.)"""
         for i, sample in enumerate(inputs):
             try:
-                self.fn([sample], **self.kwargs)
-            except Exception:
-                return i
+                self._call([sample])
+            except _Failed as e:
+                return i, e.what
         return None
+
+    def _call(self, arg):
+        """fn(arg, **kwargs), in this process or, with a call_timeout, in the reward process under the
+        limit. A _Failed says what went wrong (raised, timed out, the process died)."""
+        if self.call_timeout is None:
+            try:
+                return self.fn(arg, **self.kwargs)
+            except Exception as e:
+                raise _Failed(f"raised {type(e).__name__}: {e}") from e
+        if self._worker is None or not self._worker[0].is_alive():
+            self.close()
+            self._start()
+        process, pipe = self._worker
+        try:
+            pipe.send(arg)
+        except Exception as e:  # an input that cannot be pickled
+            raise _Failed(f"could not be called: its input cannot be sent to the reward process "
+                          f"({type(e).__name__}: {e})") from e
+        if not pipe.poll(self.call_timeout):
+            self.close()
+            raise _Failed(f"did not return within worker.reward.call_timeout={self.call_timeout:g} s (the call was "
+                          f"stopped; raise the limit if the function is only slow)")
+        try:
+            reply = pipe.recv()
+        except EOFError:
+            self.close()
+            raise _Failed(f"ended its process (exit code {process.exitcode})") from None
+        if reply[0] == "ok":
+            return reply[1]
+        raise _Failed(f"raised {reply[1]}") from RuntimeError(f"in the reward process:\n{reply[2]}")
+
+    def _start(self):
+        try:
+            context = multiprocessing.get_context("fork")
+        except ValueError:
+            raise RewardError("worker.reward.call_timeout needs the fork start method (Linux, macOS); set it to "
+                              "null to call the reward function in this process, without a limit") from None
+        pipe, child_end = context.Pipe()
+        process = context.Process(target=_serve, args=(self.fn, self.kwargs, child_end), daemon=True,
+                                  name=f"reward {self.name}")
+        process.start()
+        child_end.close()
+        self._worker = (process, pipe)
+
+    def close(self):
+        """Stop the reward process, if any (a later call starts a new one)."""
+        if self._worker is not None:
+            process, pipe = self._worker
+            self._worker = None
+            pipe.close()
+            process.kill()
+            process.join()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def _error(self, inputs, i, what):
         sample = inputs[i]
@@ -157,6 +236,33 @@ class RewardFunction:
                            f"(ground_truth={sample.get('ground_truth')!r}, response starts "
                            f"{str(sample.get('response'))[:200]!r}). Fix the function so it returns a dict of "
                            f"finite floats with 'overall' for every sample.")
+
+
+class _Failed(Exception):
+    """A call of the reward function went wrong; `what` says how, for the RewardError."""
+
+    def __init__(self, what):
+        super().__init__(what)
+        self.what = what
+
+
+def _serve(fn, kwargs, pipe):
+    """The reward process: call fn on each argument received, send back ("ok", result) or ("raised",
+    "Type: message", traceback text), until the trainer closes the pipe."""
+    while True:
+        try:
+            arg = pipe.recv()
+        except EOFError:
+            return
+        try:
+            reply = ("ok", fn(arg, **kwargs))
+        except Exception as e:
+            reply = ("raised", f"{type(e).__name__}: {e}", traceback.format_exc())
+        try:
+            pipe.send(reply)
+        except Exception as e:  # a result that cannot be pickled
+            pipe.send(("raised", f"{type(e).__name__}: its result cannot be sent back from the reward "
+                                 f"process: {e}", traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------------------------------

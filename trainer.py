@@ -117,7 +117,7 @@ class Run:
         kwargs = dict(rw.reward_function_kwargs)
         if rw.reward_function in ("math", "r1v"):  # the built-ins that compare answers with a timeout
             kwargs.setdefault("timeout", rw.timeout)
-        self.reward_fn = reward.load_reward_function(rw.reward_function, **kwargs)
+        self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout, **kwargs)
         self.kl_ctrl = (advantage.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_type == "adaptive" else advantage.FixedKLController(cfg.algorithm.kl_coef))
         self.training_steps = training_steps(cfg, self.train_loader.batches_per_epoch)
@@ -1074,6 +1074,7 @@ class RewardConfig:
     reward_function_kwargs: dict = field(default_factory=dict)
     skip_special_tokens: bool = True
     timeout: float = 10.0
+    call_timeout: Optional[float] = 600.0
 
 
 @dataclass

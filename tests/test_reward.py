@@ -315,8 +315,9 @@ BATCH_BODY = "return [score(x) for x in inputs]"
     ("numeric_text", "'overall' = '1.0', which is not a number"),
     ("extra_key", "every sample must return the same keys"),
 ])
-def test_bad_reward_function_names_function_and_sample(tmp_path, kind, body, bad, message):
-    fn = load_reward_function(write(tmp_path, "broken.py", BROKEN.format(kind=kind, body=body)))
+@pytest.mark.parametrize("call_timeout", [None, 30])
+def test_bad_reward_function_names_function_and_sample(tmp_path, kind, body, bad, message, call_timeout):
+    fn = load_reward_function(write(tmp_path, "broken.py", BROKEN.format(kind=kind, body=body)), call_timeout=call_timeout)
     inputs = [sample("fine", "1"), sample("fine too", "2"), sample("the bad one " + "z" * 300, bad)]
     with pytest.raises(RewardError) as caught:
         fn(inputs)
@@ -343,3 +344,67 @@ def test_batch_failure_only_in_company(tmp_path):
     fn = load_reward_function(write(tmp_path, "pair.py", "def main(xs):\n    assert len(xs) == 1\n    return [{'overall': 0.0}]\n"))
     with pytest.raises(RewardError, match="'pair.py:main' raised AssertionError.*batch of 2"):
         fn([sample("a", "1"), sample("b", "2")])
+
+
+# ---------------------------------------------------------------------------------------------------
+# A time limit per call (worker.reward.call_timeout).
+
+HANGING_FILE = '''
+import re, time
+REWARD_TYPE = "{kind}"
+calls = []
+
+def score(x):
+    calls.append(x["ground_truth"])
+    if x["ground_truth"] == "regex":       # backtracks for ages in C, holding the GIL
+        re.match(r"(a+)+$", "a" * 40 + "b")
+    if x["ground_truth"] == "sleep":
+        time.sleep(1000)
+    return {{"overall": float(len(calls))}}
+
+def main(inputs):
+    {body}
+'''
+
+
+@pytest.mark.parametrize("kind,body", [("sequential", SEQUENTIAL_BODY), ("batch", BATCH_BODY)])
+@pytest.mark.parametrize("hang", ["regex", "sleep"])
+def test_a_call_that_never_returns_fails_naming_function_and_sample(tmp_path, kind, body, hang):
+    fn = load_reward_function(write(tmp_path, "hangs.py", HANGING_FILE.format(kind=kind, body=body)), call_timeout=0.5)
+    start = time.perf_counter()
+    with pytest.raises(RewardError) as caught:
+        fn([sample("a", "1"), sample("the slow one", hang), sample("c", "3")])
+    text = str(caught.value)
+    assert "'hangs.py:main' did not return within worker.reward.call_timeout=0.5 s" in text
+    assert f"on sample 1 (ground_truth={hang!r}, response starts 'the slow one')" in text
+    assert time.perf_counter() - start < 5.0  # batch: 0.5 s for the batch, 0.5 s for sample 1 alone
+    # the reward process was replaced; its state (calls) persists between calls, as in EasyR1's worker
+    assert fn([sample("a", "1")]) == [{"overall": 1.0}]
+    assert fn([sample("a", "1")]) == [{"overall": 2.0}]
+    fn.close()
+
+
+def test_a_slow_batch_that_no_sample_slows_alone(tmp_path):
+    text = "import time\ndef main(xs):\n    time.sleep(0.3 * len(xs))\n    return [{'overall': 0.0} for x in xs]\n"
+    fn = load_reward_function(write(tmp_path, "slow.py", text), call_timeout=0.5)
+    with pytest.raises(RewardError, match="'slow.py:main' did not return within .*0.5 s.* on a batch of 2 "
+                                          "\\(no single sample fails alone\\)"):
+        fn([sample("a", "1"), sample("b", "2")])
+
+
+def test_builtins_grade_in_the_reward_process():
+    """The math grader's own timeouts use SIGALRM, which works in the reward process's main thread."""
+    fn = load_reward_function("math", call_timeout=30)
+    assert fn([sample("<think>x</think> \\boxed{\\frac{1}{2}}", "0.5"), sample("\\boxed{3}", "4")]) == [
+        {"overall": 1.0, "format": 1.0, "accuracy": 1.0}, {"overall": 0.0, "format": 0.0, "accuracy": 0.0}]
+    fn.close()
+
+
+def test_a_raise_in_the_reward_process_keeps_its_traceback(tmp_path):
+    fn = load_reward_function(write(tmp_path, "raises.py", "def main(xs):\n    return [{'overall': 1 / 0}]\n"),
+                              call_timeout=30)
+    with pytest.raises(RewardError, match="'raises.py:main' raised ZeroDivisionError: division by zero on sample 0") as caught:
+        fn([sample("a", "1")])
+    assert "raises.py\", line 2, in main" in str(caught.value.__cause__)
+    with pytest.raises(RewardError, match="call_timeout=0: give a number of seconds > 0, or null"):
+        load_reward_function("math", call_timeout=0)
