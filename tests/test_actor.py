@@ -92,6 +92,31 @@ def vl_sample(vl, image_size, response_len, seed, text="What colour is the squar
             "position_ids": position_ids, "mm_token_type_ids": enc["mm_token_type_ids"]}
 
 
+def vl_video_sample(vl, frames, response_len, seed, image_size=None):
+    """A video prompt (frames [T, H, W, 3] uint8, sampled at 2 fps from a 2 fps clip), optionally with an image
+    first. second_per_grid_ts rides along in multi_modal_inputs for the reference forward (the actor ignores it)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    content = ([{"type": "image"}] if image_size else []) + [{"type": "video"}, {"type": "text", "text": "Colour?"}]
+    prompt = vl.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                              tokenize=False)
+    image = [Image.new("RGB", image_size, (200, 30, 30))] if image_size else None
+    metadata = {"fps": 2.0, "total_num_frames": len(frames), "frames_indices": list(range(len(frames)))}
+    enc = vl.processor(text=[prompt], images=image, videos=[frames], video_metadata=[metadata],
+                       do_sample_frames=False, return_tensors="pt")
+    ids = enc["input_ids"][0]
+    mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                              "second_per_grid_ts") if k in enc}
+    mrope, _ = vl.model.model.get_rope_index(ids[None], enc["mm_token_type_ids"], mm.get("image_grid_thw"),
+                                             mm["video_grid_thw"], mm["second_per_grid_ts"],
+                                             attention_mask=torch.ones_like(ids)[None])
+    response = torch.randint(10, 160, (response_len,), generator=g).tolist()
+    return {"prompt_ids": ids.tolist(), "response_ids": response, "multi_modal_inputs": mm,
+            "position_ids": torch.cat([torch.arange(len(ids))[None], mrope[:, 0]]),
+            "mm_token_type_ids": enc["mm_token_type_ids"]}
+
+
 def text_sample(response_len, seed, prompt_len=9):
     g = torch.Generator().manual_seed(seed)
     return {"prompt_ids": torch.randint(10, 160, (prompt_len,), generator=g).tolist(),
@@ -233,6 +258,31 @@ def test_packed_log_probs_and_grads_equal_per_sequence_vl_mixed(vl):
     assert_grads_close(full_grads(a), expected)
 
 
+def test_packed_log_probs_and_grads_equal_per_sequence_vl_videos(vl):
+    """Video, image + video, image and text samples packed together: log-probs and gradients equal the plain
+    per-sequence forward, whose positions the model computes itself (temporal ones from second_per_grid_ts)."""
+    g = torch.Generator().manual_seed(0)
+    four = torch.randint(0, 255, (4, 56, 56, 3), generator=g, dtype=torch.uint8).numpy()   # 2 temporal patches
+    two = torch.randint(0, 255, (2, 56, 112, 3), generator=g, dtype=torch.uint8).numpy()   # 1, two windows wide
+    samples = [vl_video_sample(vl, four, 5, 1), vl_video_sample(vl, two, 3, 2, image_size=(56, 56)),
+               vl_sample(vl, (56, 56), 4, 3), vl_sample(vl, None, 6, 4)]
+    assert samples[0]["multi_modal_inputs"]["video_grid_thw"].tolist() == [[2, 4, 4]]
+    assert len(set(samples[0]["position_ids"][1].tolist())) < len(set(samples[0]["position_ids"][0].tolist()))
+    a = make_actor(vl.path)
+    assert a._modalities(samples) == ("image", "video")
+    logps = a.compute_log_probs(samples)
+    weights = token_weights(samples)
+    packed_backward(a, samples, weights)
+    vl.model.zero_grad()
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(vl.model, s, is_vl=True)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    expected = {n: p.grad for n, p in vl.model.named_parameters() if p.grad is not None}
+    assert_grads_close(full_grads(a), expected)
+    vl.model.zero_grad()
+
+
 def test_packed_log_probs_and_grads_equal_per_sequence_text(toy):
     from transformers import AutoModelForCausalLM
 
@@ -327,6 +377,41 @@ def test_qwen3_vl_packed_equals_per_sequence(qwen3_vl):
     expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert any("deepstack" in n for n in expected)
     assert_grads_close(full_grads(a), expected)
+
+
+def test_qwen3_vl_packed_video_equals_per_sequence(qwen3_vl):
+    """Qwen3-VL videos: each temporal patch is its own <vision_start> pads <vision_end> group after a timestamp
+    (here 2 text tokens), and get_rope_index splits the video grid per temporal patch."""
+    path, model = qwen3_vl
+    samples = []
+    for seed, (frames, rows, response_len) in enumerate([(2, 2, 4), (0, 0, 3), (3, 4, 5)]):  # temporal patches
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(10, 300, (4,), generator=g).tolist()
+        for _ in range(frames):
+            ids += torch.randint(10, 300, (2,), generator=g).tolist() + [3] + [6] * (rows * 4 // 4) + [4]
+        ids += torch.randint(10, 300, (3,), generator=g).tolist()
+        mm = {"pixel_values_videos": torch.randn(frames * rows * 4, 3 * 2 * 16 * 16, generator=g),
+              "video_grid_thw": torch.tensor([[frames, rows, 4]])} if frames else {}
+        types = torch.tensor([[2 * int(t == 6) for t in ids]])
+        mrope, _ = model.model.get_rope_index(torch.tensor([ids]), types, None, mm.get("video_grid_thw"),
+                                              attention_mask=torch.ones(1, len(ids)))
+        response = torch.randint(10, 300, (response_len,), generator=g).tolist()
+        samples.append({"prompt_ids": ids, "response_ids": response, "multi_modal_inputs": mm,
+                        "position_ids": torch.cat([torch.arange(len(ids))[None], mrope[:, 0]]),
+                        "mm_token_type_ids": types})
+    a = make_actor(path)
+    weights = token_weights(samples)
+    logps = a.compute_log_probs(samples)
+    packed_backward(a, samples, weights)
+    model.zero_grad()
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(model, s, is_vl=True)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any("deepstack" in n for n in expected)
+    assert_grads_close(full_grads(a), expected)
+    model.zero_grad()
 
 
 def test_adamw_bf16_follows_adamw():
