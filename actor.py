@@ -11,7 +11,8 @@ A sample (built by trainer.py) holds:
                                      last + 1, last + 2, ...  Optional for text models (then 0..P-1).
     multi_modal_inputs  dict         pixel_values [patches, dim], image_grid_thw [images, 3] (and/or
                                      pixel_values_videos, video_grid_thw); {} or absent for text-only rows
-    advantage           float        (update) one per response, broadcast to its tokens
+    advantage           float or Tensor [len(response_ids)]   (update) one per response, broadcast to its tokens,
+                                     or one per token (REINFORCE++)
     old_logprobs        Tensor [len(response_ids)]   (update) from compute_log_probs
     ref_logprobs        Tensor [len(response_ids)]   (update, with use_kl_loss)
     rollout_logprobs    Tensor [len(response_ids)]   (update, optional: TIS and mismatch metrics)
@@ -679,14 +680,15 @@ class Actor:
                         return None
                     raise KeyError(f"Actor.update: sample {i} has no {key!r} (compute it before the update)")
                 value = torch.as_tensor(samples[i][key], dtype=torch.float32).reshape(-1)
+                if key == "advantage" and value.numel() == 1:  # one per response: broadcast to its tokens
+                    value = value.expand(len(samples[i]["response_ids"]))
                 if value.numel() != len(samples[i]["response_ids"]):
                     raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for "
                                      f"{len(samples[i]['response_ids'])} response tokens")
                 parts.append(value)
             return torch.cat(parts).to(self.device)
 
-        adv = torch.tensor([float(samples[i]["advantage"]) for i in idx], device=self.device)
-        adv = torch.repeat_interleave(adv, torch.tensor(batch["resp_lens"], device=self.device))  # [N]
+        adv = flat("advantage", required=True)  # [N]
         ref = flat("ref_logprobs", required=True) if self.use_kl_loss else None
         rollout = flat("rollout_logprobs", required=True) if use_rollout else None
         return flat("old_logprobs", required=True), adv, ref, rollout

@@ -356,3 +356,21 @@ def test_kl_gradient_enters_with_kl_coef(toy, samples):
     assert max(g.abs().max().item() for g in kl_only.values()) > 1e-4
     assert_same_tensors({n: both[n] - pg_only[n] for n in both}, {n: 0.1 * g for n, g in kl_only.items()},
                         "KL gradient", rtol=1e-3, atol=1e-7)
+
+
+def test_per_token_advantages_reach_the_loss(toy, samples):
+    """REINFORCE++ hands one advantage per token. On policy (ratio 1) the default loss of token t is -A_t, so
+    actor/pg_loss = -sum_t A_t / tokens; with A_t = t + 1 inside each response of length L that is
+    -sum_i L_i (L_i + 1) / 2 / sum_i L_i. A float advantage still broadcasts; a wrong length is an error."""
+    actor = actor_module.Actor(make_cfg(toy["vl_model"]), role="actor", temperature=1.0, device="cpu",
+                               max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE, n_per_prompt=2,
+                               training_steps=4)
+    fresh = [dict(s) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s.update(old_logprobs=logp, advantage=torch.arange(1.0, len(s["response_ids"]) + 1))
+    lengths = [len(s["response_ids"]) for s in fresh]
+    metrics = actor.update(fresh)
+    assert math.isclose(metrics["actor/pg_loss"], -sum(n * (n + 1) / 2 for n in lengths) / sum(lengths), rel_tol=1e-5)
+    fresh[0]["advantage"] = torch.zeros(lengths[0] + 1)
+    with pytest.raises(ValueError, match="advantage has"):
+        actor.update(fresh)
