@@ -190,3 +190,18 @@ def test_toy_default_learns(tmp_path, toy, seed):
 def test_text_only_toy_config_resolves():
     cfg = trainer.load_config(os.path.join(ROOT, "configs", "toy_text.yaml"))
     assert cfg.worker.actor.model.model_path.endswith("text_model") and cfg.data.train_files.endswith("@train")
+
+
+@pytest.mark.slow
+def test_video_rows_train_end_to_end(tmp_path, toy):
+    """The toy video task (which colour the square has in most of 4 frames) trains two GRPO steps on the CPU:
+    frames decoded and sampled by data.py, generated on by the rollout with the video's positions, packed by
+    the actor. The rollout's log-probs match the actor's recomputation, so both saw the same video tokens at the
+    same positions."""
+    proc = run_trainer(toy_overrides(tmp_path, toy, f"data.train_files={toy['video_colors']}@train",
+                                     f"data.val_files={toy['video_colors']}@test", "data.video_fps=2.0"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = read_log(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["prompt_length/mean"] > 8  # 8 video tokens in every prompt
+    assert rows[-1]["rollout/logp_diff_max"] < 0.02 and "actor/pg_loss" in rows[-1]
