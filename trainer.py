@@ -113,6 +113,8 @@ class Run:
         self.val_loader = data.PromptLoader(cfg.data.val_files, cfg.data, self.processor, model_path,
                                             batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False,
                                             trust_remote_code=remote)
+        # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
+        cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
         rw = cfg.worker.reward
         kwargs = dict(rw.reward_function_kwargs)
         if rw.reward_function in ("math", "r1v"):  # the built-ins that compare answers with a timeout
@@ -240,7 +242,8 @@ class Run:
                     self.greedy_reward[p["uid"]] = s["overall"]
             if a.online_filtering:
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in scores], [r["uid"] for r in responses],
-                                                low=a.filter_low, high=a.filter_high)
+                                                low=a.filter_low, high=a.filter_high,
+                                                require_spread=a.adv_estimator in advantage.ZERO_WHEN_FLAT)
             else:
                 keep = {p["uid"] for p in prompts}
             index = {}

@@ -379,3 +379,37 @@ def test_reinforce_plus_plus_gets_token_kl_and_token_returns():
     assert m["critic/returns/mean"] == pytest.approx(returns.mean().item())
     assert (m["critic/returns/max"], m["critic/returns/min"]) == pytest.approx((1.1, 0.0))
     assert m["critic/rewards/mean"] == pytest.approx(2.75 / 4) and m["critic/score/mean"] == 0.75
+
+
+# --- online filtering in make_batch --------------------------------------------------------------
+
+@pytest.mark.parametrize("estimator, kept", [
+    ("grpo", ["x", "z"]),  # y has no spread: its GRPO advantages would all be 0, so it is dropped
+    ("reinforce_plus_plus", ["x", "y"]),  # y still trains REINFORCE++ (batch whitening), so it is kept
+    ("remax", ["x", "y"]),
+])
+def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_zero(estimator, kept):
+    """Two prompts a round, n = 2, filter on accuracy in (0.1, 0.9) exclusive of the ends: round 1 has x
+    (scores 0, 1: mean 0.5, spread) and y (0.5, 0.5: mean 0.5, no spread); round 2 z (1, 0) and w (1, 1:
+    mean 1, outside). GRPO drops y and needs round 2; REINFORCE++ and ReMax keep x and y in round 1."""
+    run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=2", "worker.actor.global_batch_size=2",
+                   "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true", "algorithm.filter_key=accuracy",
+                   "algorithm.filter_low=0.1", "algorithm.filter_high=0.9", f"algorithm.adv_estimator={estimator}")
+    table = {"x": (0.0, 1.0), "y": (0.5, 0.5), "z": (1.0, 0.0), "w": (1.0, 1.0)}
+    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
+
+    class Workers:
+        def generate(self, prompts, sampling, step):
+            return [{"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
+                    for i, p in enumerate(prompts) for j in range(sampling["n"])]
+
+        def sleep(self):
+            pass
+
+    run.workers = Workers()
+    run.sampling = lambda override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [
+        {"overall": table[r["name"]][r.get("j", 0)], "accuracy": table[r["name"]][r.get("j", 0)]} for r in responses]
+    prompts, responses, scores, _ = run.make_batch({})
+    assert [p["name"] for p in prompts] == kept
+    assert [r["prompt_index"] for r in responses] == [0, 0, 1, 1]
