@@ -641,12 +641,15 @@ class Actor:
     def _plan(self, samples, kind):
         """Micro-batches of a mini-batch for the `kind` ("update" / "experience") pass: lists of indices,
         balanced by tokens under the token budget (dynamic batching; else micro_batch_size_per_device_for_<kind>
-        samples each), the same count on every rank (an empty list is a dummy micro-batch)."""
+        samples each), the same count on every rank (an empty list is a dummy micro-batch). Dynamic batching keeps
+        the samples that share images (a prompt's responses) together where the budget allows: encoded once."""
         lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
         size = getattr(self.cfg, f"micro_batch_size_per_device_for_{kind}")
         if self.cfg.dynamic_batching:
             budget = self._budget(kind)
-            k = micro_batches_needed(lengths, budget)
+            units = shared_image_units(samples, lengths, budget)
+            unit_lengths = [sum(lengths[i] for i in unit) for unit in units]
+            k = micro_batches_needed(unit_lengths, budget)
             if max(lengths, default=0) > budget:
                 logger.warning("actor: a sequence of %d tokens exceeds the micro-batch budget of %d tokens; it gets "
                                "a micro-batch of its own", max(lengths), budget)
@@ -654,7 +657,7 @@ class Actor:
             k = math.ceil(len(samples) / size)
         k = max(1, int(self._all_ranks([k], "max")[0]))
         if self.cfg.dynamic_batching:
-            return partition_balanced(lengths, k, equal_size=False)
+            return [sorted(i for u in part for i in units[u]) for part in partition_balanced(unit_lengths, k)]
         return [list(range(i * size, min((i + 1) * size, len(samples)))) for i in range(k)]
 
     def _pack(self, samples, idx):
@@ -765,6 +768,22 @@ def partition_balanced(lengths, k, equal_size=False):
     return [sorted(g) for g in groups]
 
 
+def shared_image_units(samples, lengths, budget):
+    """Sample indices in units to place whole: the samples that share one multi_modal_inputs dict (the n responses
+    of an image prompt) together, in runs of at most `budget` tokens; every other sample alone."""
+    units, unit_of = [], {}
+    for i, sample in enumerate(samples):
+        inputs = sample.get("multi_modal_inputs")
+        u = unit_of.get(id(inputs)) if inputs else None
+        if u is None or sum(lengths[j] for j in units[u]) + lengths[i] > budget:
+            units.append([])
+            u = len(units) - 1
+            if inputs:
+                unit_of[id(inputs)] = u
+        units[u].append(i)
+    return units
+
+
 def micro_batches_needed(lengths, budget):
     """The fewest groups >= ceil(total / budget) whose balanced partition keeps every group of two or more
     sequences within `budget` tokens (a longer single sequence gets a group of its own)."""
@@ -787,9 +806,13 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         labels           [N]              the response tokens: shifted labels built per sequence, never across
         resp_cu_seqlens  [n + 1] int32    each sample's response tokens in [N]
         resp_lens, seq_lens  list[int];   mm: dict of multi-modal tensors concatenated in sample order
+        mm_order         {"image" / "video": [k]}   which encoded image (video) fills each one of the row, in
+                                          order: samples that share one multi_modal_inputs dict (the n responses
+                                          of a prompt) share its images, which are in `mm` and encoded once
     """
     names = names or [f"sample {i}" for i in range(len(samples))]
     ids, positions, resp_index, labels, seq_lens, resp_lens, mm = [], [], [], [], [], [], {}
+    order, first = {"image": [], "video": []}, {}  # first: (id of a multi_modal_inputs dict, key) -> its first image
     start = 0
     for name, s in zip(names, samples):
         prompt, response = list(s["prompt_ids"]), list(s["response_ids"])
@@ -810,16 +833,21 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         steps = torch.arange(1, len(response) + 1)
         positions.append(torch.cat([pos, pos[:, -1:] + steps], dim=1))  # [R, L]
         inputs = s.get("multi_modal_inputs") or {}
-        for token, key, grid in ((image_token_id, "pixel_values", "image_grid_thw"),
-                                 (video_token_id, "pixel_values_videos", "video_grid_thw")):
+        for modality, token, key, grid in (("image", image_token_id, "pixel_values", "image_grid_thw"),
+                                           ("video", video_token_id, "pixel_values_videos", "video_grid_thw")):
             expected = int((torch.as_tensor(inputs[grid]).prod(-1) // merge**2).sum()) if key in inputs else 0
             if is_vl and (prompt.count(token) != expected or token in response):
                 raise ValueError(f"pack_samples: {name} has {prompt.count(token)} {key} placeholder tokens in its "
                                  f"prompt (and {response.count(token)} in its response) for {expected} "
                                  f"{key} features; expand the placeholders the way the processor does")
-            for k in (key, grid):
-                if k in inputs:
+            if key not in inputs:
+                continue
+            count = len(torch.as_tensor(inputs[grid]))
+            if (id(inputs), key) not in first:  # a new prompt's images: encoded once for all its samples here
+                first[id(inputs), key] = sum(len(g) for g in mm.get(grid, []))
+                for k in (key, grid):
                     mm.setdefault(k, []).append(torch.as_tensor(inputs[k]))
+            order[modality] += range(first[id(inputs), key], first[id(inputs), key] + count)
         ids += prompt + response
         resp_index.append(torch.arange(start + len(prompt) - 1, start + len(prompt) + len(response) - 1))
         labels += response
@@ -833,7 +861,7 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         "cu_seqlens": _cumulative(seq_lens), "max_seqlen": max(seq_lens),
         "resp_index": torch.cat(resp_index), "labels": torch.tensor(labels, dtype=torch.long),
         "resp_cu_seqlens": _cumulative(resp_lens), "resp_lens": resp_lens, "seq_lens": seq_lens,
-        "mm": {k: torch.cat(v) for k, v in mm.items()},
+        "mm": {k: torch.cat(v) for k, v in mm.items()}, "mm_order": order,
     }
 
 
@@ -856,7 +884,8 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
         for modality in modalities:
             method, pixels, grid = VISION_CALLS[modality]
             if pixels in batch["mm"]:
-                encoded[modality] = getattr(body, method)(batch["mm"][pixels], batch["mm"][grid], return_dict=True)
+                out = getattr(body, method)(batch["mm"][pixels], batch["mm"][grid], return_dict=True)
+                encoded[modality] = _repeat_images(out, batch["mm_order"][modality], len(batch["mm"][grid]))
             else:
                 dummy_pixels, dummy_grid, _ = dummy_vision
                 out = getattr(body, method)(dummy_pixels.to(batch["input_ids"].device),
@@ -894,6 +923,25 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
     if not logps:  # no response tokens: keep the graph connected to the model
         return hidden.sum(-1).float() * 0.0, hidden.new_zeros(0, dtype=torch.float32)
     return torch.cat(logps), torch.cat(ents)
+
+
+def _repeat_images(output, order, n_images):
+    """A vision output of n_images distinct images with its per-image tuples (pooler_output; Qwen3-VL's
+    deepstack_features, one tuple per layer) re-indexed by `order`, so an image shared by several samples of
+    the row is encoded once and still fills each sample's placeholders (its gradient sums over them)."""
+    if list(order) == list(range(n_images)):
+        return output
+
+    def pick(value):
+        if isinstance(value, (tuple, list)) and len(value) == n_images and all(torch.is_tensor(v) for v in value):
+            return tuple(value[i] for i in order)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(v, (tuple, list)) for v in value):
+            return [pick(v) for v in value]
+        return value
+
+    for key in list(output.keys()):
+        output[key] = pick(output[key])
+    return output
 
 
 def _as_zero_rows(output):

@@ -132,7 +132,7 @@ class Run:
         metrics = {}
         if t.val_before_train or t.val_only:  # also when resuming, as EasyR1
             metrics = self.validate()
-            self.logger.log(metrics, self.step)
+            self.logger.log(metrics, self.step, amend=self.step > 0)  # resumed: into the row of the step it resumes
             if t.val_only:
                 return metrics
         bar = tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger)
@@ -691,10 +691,26 @@ class Logger:
                          logdir=os.environ.get("SWANLAB_DIR", os.path.join(root, "swanlab")),
                          mode=os.environ.get("SWANLAB_MODE", "cloud"))
 
-    def log(self, metrics, step):
+    def log(self, metrics, step, amend=False):
+        """One row per step in experiment_log.jsonl. amend: merge into the last row when it is `step`'s (a resumed
+        run's validation of the step it resumes from), replacing the file atomically, so no step has two rows."""
         metrics = {k: float(v) for k, v in metrics.items()}
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
+        lines = []
+        if amend:
+            with open(self.jsonl_path) as f:
+                lines = f.readlines()
+        if lines and lines[-1].endswith("\n") and json.loads(lines[-1]).get("step") == step:
+            lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics}) + "\n"
+            with open(self.jsonl_path + ".tmp", "w") as f:
+                f.writelines(lines)
+                f.flush()
+                os.fsync(f.fileno())
+            self.jsonl.close()
+            os.replace(self.jsonl_path + ".tmp", self.jsonl_path)
+            self.jsonl = open(self.jsonl_path, "a")
+        else:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
         if "console" in self.names:
             keys = [k for k in ("reward/overall", "val/reward_score", "actor/pg_loss", "actor/entropy",
                                 "response_length/mean", "timing_s/step") if k in metrics]
@@ -741,7 +757,8 @@ class Logger:
         self.generations.flush()
 
     def plot(self):
-        """reward, validation score and response length against steps, from the JSONL log."""
+        """Reward, accuracy, format score and response length against steps (training batch and validation),
+        from the JSONL log. Accuracy and format are the reward function's "accuracy" and "format" keys, if any."""
         try:
             import matplotlib
 
@@ -750,14 +767,19 @@ class Logger:
         except ImportError:
             return None
         rows = [json.loads(line) for line in open(self.jsonl_path)]
-        panels = [("reward/overall", "reward"), ("val/reward_score", "validation score"), ("response_length/mean", "response length")]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-        for ax, (key, title) in zip(axes, panels):
-            points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
-            if points:
-                ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
+        panels = {"reward": ("reward/overall", "val/reward_score"), "accuracy": ("reward/accuracy", "val/accuracy_reward"),
+                  "format": ("reward/format", "val/format_reward"),
+                  "response length": ("response_length/mean", "val_response_length/mean")}
+        fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.5))
+        for ax, (title, keys) in zip(axes, panels.items()):
+            for key, label in zip(keys, ("train", "validation")):
+                points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
+                if points:
+                    ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
             ax.set_title(title)
             ax.set_xlabel("step")
+            if ax.lines:
+                ax.legend()
         fig.tight_layout()
         path = os.path.join(self.root, "metrics.png")
         fig.savefig(path, dpi=80)

@@ -299,6 +299,37 @@ def test_packed_log_probs_and_grads_equal_per_sequence_text(toy):
     assert_grads_close(full_grads(a), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
 
+def test_responses_sharing_a_prompt_encode_its_image_once(vl, monkeypatch):
+    """Three responses of one image prompt share its multi_modal_inputs dict (as trainer.py builds them) beside a
+    second image prompt with two: the plan keeps each prompt's responses together, each image goes through the
+    vision tower once per micro-batch, and log-probs and gradients equal the plain per-sequence forward."""
+    first, second = vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, (112, 56), 3, 2)
+    samples = [{**first, "response_ids": first["response_ids"][:k]} for k in (5, 2, 4)] + \
+              [{**second, "response_ids": r} for r in ([20, 21, 22], [23])]
+    samples = [samples[i] for i in (0, 3, 1, 4, 2)]  # interleaved, as a shuffled batch would be
+    a = make_actor(vl.path, global_batch_size=5)  # one mini-batch
+    assert sorted(map(sorted, a._plan(samples, "update"))) == [[0, 1, 2, 3, 4]]
+    tower = actor.vision_tower(a.hf)
+    patches = []
+    monkeypatch.setattr(tower, "forward", lambda x, *args, _f=tower.forward, **kw: patches.append(len(x)) or _f(x, *args, **kw))
+    logps = a.compute_log_probs(samples)
+    expected_patches = int(first["multi_modal_inputs"]["image_grid_thw"].prod() + second["multi_modal_inputs"]["image_grid_thw"].prod())
+    assert patches == [expected_patches]  # one call, each distinct image once
+    weights = token_weights(samples)
+    packed_backward(a, samples, weights)
+    vl.model.zero_grad()
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(vl.model, s, is_vl=True)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    assert_grads_close(full_grads(a), {n: p.grad for n, p in vl.model.named_parameters() if p.grad is not None})
+    # a budget that holds one prompt's responses but not both prompts': one micro-batch per prompt
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    budget = max(lengths[0] + lengths[2] + lengths[4], lengths[1] + lengths[3])
+    a = make_actor(vl.path, global_batch_size=5, max_tokens_per_micro_batch=budget)
+    assert sorted(map(sorted, a._plan(samples, "update"))) == [[0, 2, 4], [1, 3]]
+
+
 def test_micro_batch_splits_give_the_same_gradient(vl):
     samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, None, 6, 2), vl_sample(vl, (112, 56), 3, 3),
                vl_sample(vl, None, 2, 4)]

@@ -128,8 +128,11 @@ class FakeLogger:
     def __init__(self):
         self.rows = []
 
-    def log(self, metrics, step):
-        self.rows.append((step, sorted(k for k in metrics if k.startswith("val/"))))
+    def log(self, metrics, step, amend=False):
+        if amend and self.rows and self.rows[-1][0] == step:  # as Logger: into the last row when it is this step's
+            self.rows[-1] = (step, sorted(set(self.rows[-1][1]) | {k for k in metrics if k.startswith("val/")}))
+        else:
+            self.rows.append((step, sorted(k for k in metrics if k.startswith("val/"))))
 
     def plot(self):
         return None
@@ -160,7 +163,7 @@ def scripted_fit(run):
     # val_freq 2 over 3 steps: 0, 2 and the last
     (["trainer.val_freq=2"], 0, [0, 2, 3], [(0, ["val/reward_score"]), (1, []), (2, ["val/reward_score"]),
                                             (3, ["val/reward_score"])]),
-    # resumed at step 2 of 3: val_before_train validates the resumed weights too (logged at step 2), as EasyR1
+    # resumed at step 2 of 3: val_before_train validates the resumed weights too, as EasyR1 (merged into row 2)
     (["trainer.val_freq=-1"], 2, [2, 3], [(2, ["val/reward_score"]), (3, ["val/reward_score"])]),
 ])
 def test_validation_before_training_on_resume_and_at_the_end(overrides, step, validated, logged):
@@ -413,3 +416,24 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
     prompts, responses, scores, _ = run.make_batch({})
     assert [p["name"] for p in prompts] == kept
     assert [r["prompt_index"] for r in responses] == [0, 0, 1, 1]
+
+
+def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
+    """Resumed at step 2 (the log cut back to rows 1 and 2), validation before training amends row 2 in place:
+    each step keeps exactly one row; with no row of that step (a fresh log) it is a row of its own."""
+    cfg = load_config(None, ["trainer.logger=[file]"])
+    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger.log({"reward/overall": 0.1}, 1)
+    logger.log({"reward/overall": 0.2, "val/reward_score": 0.5}, 2)
+    logger.log({"val/reward_score": 0.7}, 2, amend=True)
+    logger.log({"reward/overall": 0.3}, 3)
+    logger.close()
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert rows == [{"step": 1, "reward/overall": 0.1}, {"step": 2, "reward/overall": 0.2, "val/reward_score": 0.7},
+                    {"step": 3, "reward/overall": 0.3}]
+    (tmp_path / "fresh").mkdir()
+    logger = trainer.Logger(str(tmp_path / "fresh"), cfg.trainer.logger, cfg)
+    logger.log({"val/reward_score": 0.4}, 5, amend=True)
+    logger.close()
+    assert [json.loads(line) for line in open(tmp_path / "fresh" / "experiment_log.jsonl")] == \
+        [{"step": 5, "val/reward_score": 0.4}]
