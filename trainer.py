@@ -497,14 +497,21 @@ class WorkerGroup:
         return [r for i in range(len(prompts)) for r in by_prompt.get(i, [])]
 
     def shard(self, samples):
-        """Per mini-batch, balance samples across ranks by tokens; returns (per-rank lists, per-rank indices)."""
+        """Per mini-batch, balance samples across ranks by tokens, as many on each; a prompt's responses stay on one
+        rank when the groups divide evenly (its image is then encoded once). -> (per-rank lists, per-rank indices)."""
         lists, indices = [[] for _ in range(self.world)], [[] for _ in range(self.world)]
         for start in range(0, len(samples), self.mini_batch):
             chunk = list(range(start, min(start + self.mini_batch, len(samples))))
-            lengths = [len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in chunk]
+            groups = {}
+            for i in chunk:
+                groups.setdefault(samples[i]["uid"], []).append(i)
+            units = list(groups.values())
+            if len(units) % self.world or len({len(u) for u in units}) > 1:
+                units = [[i] for i in chunk]
+            lengths = [sum(len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in u) for u in units]
             for rank, part in enumerate(actor.partition_balanced(lengths, self.world, equal_size=True)):
-                indices[rank] += [chunk[j] for j in part]
-                lists[rank] += [samples[chunk[j]] for j in part]
+                indices[rank] += [i for j in part for i in units[j]]
+                lists[rank] += [samples[i] for j in part for i in units[j]]
         return lists, indices
 
     def log_probs(self, samples, kind):

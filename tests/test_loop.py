@@ -437,3 +437,17 @@ def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
     logger.close()
     assert [json.loads(line) for line in open(tmp_path / "fresh" / "experiment_log.jsonl")] == \
         [{"step": 5, "val/reward_score": 0.4}]
+
+
+def test_shard_keeps_a_prompts_responses_on_one_rank_when_groups_divide():
+    """8 samples (uids a..d, two each; lengths 10+x) over 2 ranks: whole groups, 4 samples a rank, groups balanced
+    by tokens (a 20+21, d 26+27 vs b 22+23, c 24+25: 94 each); 3 groups over 2 ranks fall back to samples."""
+    group = trainer.WorkerGroup.__new__(trainer.WorkerGroup)
+    group.world, group.mini_batch = 2, 8
+    samples = [{"uid": u, "prompt_ids": [0] * 10, "response_ids": [0] * (10 + k)} for k, u in enumerate("aabbccdd")]
+    lists, indices = group.shard(samples)
+    assert sorted(map(sorted, indices)) == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert all(len({s["uid"] for s in part}) == 2 for part in lists)
+    group.mini_batch = 6
+    lists, indices = group.shard(samples[:6])
+    assert sorted(len(i) for i in indices) == [3, 3] and sorted(sum(indices, [])) == list(range(6))
