@@ -116,18 +116,21 @@ def run_mode(actor, mode, repeats):
     for s, lp in zip(samples, old):
         s["old_logprobs"] = lp
     update_s, metrics = timed(lambda: policy.update(samples), repeats)
-    one = samples[:16384 // (PROMPT + RESPONSE)]  # one micro-batch of each pass, profiled
     result = {"mode": mode, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
               "old_s": old_s, "update_s": update_s, "mfu_update": metrics.get("perf/mfu_actor"),
-              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-              "profile_old_micro_batch": top_kernels(lambda: policy.compute_log_probs(one)),
-              "profile_update_micro_batch": top_kernels(lambda: policy.update(one))}
+              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+    print(json.dumps(result), flush=True)
+    one = samples[:16384 // (PROMPT + RESPONSE)]  # one micro-batch of each pass, profiled
+    policy.cfg.global_batch_size = len(one)
+    result["profile_old_micro_batch"] = top_kernels(lambda: policy.compute_log_probs(one))
+    result["profile_update_micro_batch"] = top_kernels(lambda: policy.update(one))
     del policy
     torch.cuda.empty_cache()
     return result
 
 
 def main():
+    global SAMPLES, PROMPT, RESPONSE, STEPS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="fp32,bf16,fp32-fsdp")
     parser.add_argument("--actor-file", default=None, help="another actor.py to time instead of this one")
@@ -139,7 +142,6 @@ def main():
     parser.add_argument("--generate", action="store_true", help="first time a plain vLLM generate of the samples")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    global SAMPLES, PROMPT, RESPONSE, STEPS
     SAMPLES, PROMPT, RESPONSE, STEPS = args.samples, args.prompt, args.response, args.optimizer_steps
     if not os.path.exists(os.path.join(MODEL, "config.json")):
         toy.build_vl_model(MODEL, toy.build_tokenizer(pad_to=151936), seed=0, shape="3b", device="cuda")
