@@ -82,7 +82,7 @@ def engine(request, toy, world):
                                MASTER_PORT="29517").items():
             os.environ.setdefault(key, value)
     device = "cuda" if request.param == "vllm" else "cpu"
-    eng = rollout.make_rollout(config(name=request.param), toy["vl_model"], max_prompt_length=64,
+    eng = rollout.make_rollout(config(name=request.param, limit_videos=1), toy["vl_model"], max_prompt_length=64,
                                max_response_length=8, device=device)
     eng.tolerance = VLLM_TOL if request.param == "vllm" else HF_TOL
     yield eng
@@ -208,8 +208,8 @@ def test_video_prompts_logprobs_equal_an_independent_forward(engine, world):
 
     processor, model, rng = world.processor, world.reference, random.Random(1)
     frames = numpy.stack([numpy.asarray(toy_world.color_image(c, rng)) for c in ("red", "red", "blue", "red")])
-    metadata = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
-                "video_backend": "pyav"}
+    metadata = {"fps": 1.0, "duration": 4.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
+                "video_backend": "pyav"}  # 1 fps: 2 s per temporal patch, not the default 1 s
     prompts = []
     for uid, content, image in (("v", [{"type": "video"}, {"type": "text", "text": "What colour?"}], None),
                                 ("iv", [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Same?"}],
@@ -479,3 +479,19 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
     assert [r["prompt_index"] for r in responses] == [i for i in range(8) for _ in range(n)]
     assert all(r["response_ids"][0] == 100 + r["prompt_index"] and r["uid"] == f"u{r['prompt_index']}"
                for r in responses)
+
+
+def test_trust_remote_code_reaches_every_load_of_the_transformers_engine(toy, monkeypatch):
+    """worker.rollout.trust_remote_code (handed over by the trainer from the model section) goes to the config,
+    model, generation-config and tokenizer loads."""
+    import transformers
+
+    seen = []
+    for cls in (transformers.AutoConfig, transformers.AutoModelForImageTextToText, transformers.GenerationConfig):
+        original = cls.from_pretrained.__func__
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(
+            lambda c, *a, _o=original, _n=cls.__name__, **kw: seen.append((_n, kw.get("trust_remote_code"))) or _o(c, *a, **kw)))
+    rollout.make_rollout(config(trust_remote_code=True), toy["vl_model"], max_prompt_length=32, max_response_length=4,
+                         device="cpu", tokenizer_path=toy["vl_model"])
+    assert {name for name, _ in seen} == {"AutoConfig", "AutoModelForImageTextToText", "GenerationConfig"}
+    assert all(flag is True for _, flag in seen), seen
