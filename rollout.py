@@ -103,12 +103,14 @@ class HFRollout:
                  tokenizer_path, batch_size=64):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
-        config = AutoConfig.from_pretrained(model_path)
+        remote = getattr(cfg, "trust_remote_code", False)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
         self.is_vl = getattr(config, "vision_config", None) is not None
         model_class = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
-        self.model = model_class.from_pretrained(model_path, dtype=_torch_dtype(dtype)).to(device).eval()
+        self.model = model_class.from_pretrained(model_path, dtype=_torch_dtype(dtype),
+                                                 trust_remote_code=remote).to(device).eval()
         self.model.requires_grad_(False)
-        self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path)
+        self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path, remote)
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
         self.ignore_eos = cfg.ignore_eos
         self.position_rows = 4 if self.is_vl else 1  # text row + 3 mrope rows for Qwen-VL
@@ -282,8 +284,8 @@ class VLLMRollout:
         from transformers import AutoConfig
 
         self.cfg, self.max_response_length = cfg, max_response_length
-        config = AutoConfig.from_pretrained(model_path)
-        self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=getattr(cfg, "trust_remote_code", False))
+        self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path, getattr(cfg, "trust_remote_code", False))
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
         # Videos per prompt: the most in one row of the data (the trainer sets limit_videos); 0 when the data has
         # none, so vLLM neither profiles nor reserves memory for a video.
@@ -418,17 +420,17 @@ def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
             "logprobs": list(logprobs), "finish_reason": "length"}
 
 
-def _special_ids(config, tokenizer_path):
+def _special_ids(config, tokenizer_path, trust_remote_code=False):
     """(EOS ids of the generation config, placeholder ids to ban, pad id)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     try:
-        generation = GenerationConfig.from_pretrained(tokenizer_path)
+        generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = generation.eos_token_id, generation.pad_token_id
     except OSError:  # no generation_config.json: fall back to the tokenizer
         eos = pad = None
     if eos is None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     if not eos:

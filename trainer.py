@@ -1397,6 +1397,9 @@ def main(argv=None):
     except ConfigError as e:  # found at start-up (a logger's package, too few batches): one line, not a traceback
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # no complete checkpoint to resume from: what to change, not a traceback
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

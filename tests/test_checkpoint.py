@@ -384,3 +384,12 @@ def test_a_local_ray_listens_on_the_loopback_only(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ip"] == "127.0.0.1"  # what the workers hand to torch.distributed as MASTER_ADDR
     assert len(out["bound"]) >= 3 and set(out["bound"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, out["bound"]
+
+
+def test_the_command_line_says_a_checkpoint_error_in_one_line(tmp_path, capsys):
+    """python trainer.py ... trainer.load_checkpoint_path=<missing>: exit code 2 and one line saying what to change,
+    found before Ray starts (no traceback)."""
+    code = trainer.main(["trainer.logger=[file]", f"trainer.save_checkpoint_path={tmp_path}",
+                         f"trainer.load_checkpoint_path={tmp_path / 'global_step_7'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("checkpoint error: trainer.load_checkpoint_path=")
