@@ -180,10 +180,10 @@ class PromptLoader:
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
-    """Indices of the rows to train on. Every row is measured at start-up, its images decoded, so a bad row
-    fails here and not mid-run (and again on every resume):
-      - a bad row (unreadable image, null answer, empty prompt, placeholder count mismatch): DataError naming
-        the file and row, or with skip_bad (data.skip_bad_rows) skipped and counted in the log;
+    """Indices of the rows to train on. Every row is measured at start-up, its images and videos decoded, so a
+    bad row fails here and not mid-run (and again on every resume):
+      - a bad row (unreadable image or video, null answer, empty prompt, placeholder count mismatch): DataError
+        naming the file and row, or with skip_bad (data.skip_bad_rows) skipped and counted in the log;
       - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts; without it a
         DataError naming the row (skipped and counted with skip_bad).
     `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
@@ -335,7 +335,7 @@ class PromptBuilder:
         """The length build() will give, checking the row on the way (answer, placeholders, every image decoded
         once: a truncated body fails here). Tokens of the unexpanded text plus, per image, its token count
         minus the one placeholder, from the size after process_image's resize through the image processor's
-        own get_number_of_image_patches (no resize, no processor call)."""
+        own get_number_of_image_patches (no resize, no processor call). A row with videos is encoded whole."""
         text, images, videos = self.prompt_text(row, where)
         self.answer(row, where)
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
