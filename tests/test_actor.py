@@ -163,6 +163,22 @@ def assert_grads_close(got, expected):
         torch.testing.assert_close(got[name], expected[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
 
 
+def assert_packed_equals_per_sequence(a, model, samples, weights):
+    """The actor's packed log-probs and gradients of sum(w * logp) equal the per-sequence forward of `model` (a
+    VL model); returns the reference gradients. `model`'s gradients are left cleared."""
+    logps = a.compute_log_probs(samples)
+    packed_backward(a, samples, weights)
+    model.zero_grad()
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(model, s, is_vl=True)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
+        (ref * w).sum().backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert_grads_close(full_grads(a), expected)
+    model.zero_grad()
+    return expected
+
+
 # ----------------------------------------------------------------------------------------------
 # No model: packing and balancing by hand
 # ----------------------------------------------------------------------------------------------
@@ -270,17 +286,8 @@ def test_packed_log_probs_and_grads_equal_per_sequence_vl_videos(vl):
     assert len(set(samples[0]["position_ids"][1].tolist())) < len(set(samples[0]["position_ids"][0].tolist()))
     a = make_actor(vl.path)
     assert a._modalities(samples) == ("image", "video")
-    logps = a.compute_log_probs(samples)
     weights = token_weights(samples)
-    packed_backward(a, samples, weights)
-    vl.model.zero_grad()
-    for s, lp, w in zip(samples, logps, weights):
-        ref = reference_log_probs(vl.model, s, is_vl=True)
-        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
-        (ref * w).sum().backward()
-    expected = {n: p.grad for n, p in vl.model.named_parameters() if p.grad is not None}
-    assert_grads_close(full_grads(a), expected)
-    vl.model.zero_grad()
+    expected = assert_packed_equals_per_sequence(a, vl.model, samples, weights)
     # One sample per micro-batch: those without a video run the tower on the dummy (the ranks' collectives
     # stay paired) and join nothing; the gradient is the same.
     longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
@@ -437,19 +444,8 @@ def test_qwen3_vl_packed_video_equals_per_sequence(qwen3_vl):
         samples.append({"prompt_ids": ids, "response_ids": response, "multi_modal_inputs": mm,
                         "position_ids": torch.cat([torch.arange(len(ids))[None], mrope[:, 0]]),
                         "mm_token_type_ids": types})
-    a = make_actor(path)
-    weights = token_weights(samples)
-    logps = a.compute_log_probs(samples)
-    packed_backward(a, samples, weights)
-    model.zero_grad()
-    for s, lp, w in zip(samples, logps, weights):
-        ref = reference_log_probs(model, s, is_vl=True)
-        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=LOGP_ATOL)
-        (ref * w).sum().backward()
-    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    expected = assert_packed_equals_per_sequence(make_actor(path), model, samples, token_weights(samples))
     assert any("deepstack" in n for n in expected)
-    assert_grads_close(full_grads(a), expected)
-    model.zero_grad()
 
 
 def test_adamw_bf16_follows_adamw():
