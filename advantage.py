@@ -5,28 +5,16 @@
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
     adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
-Inputs: `scores` [N] (the reward function's "overall"), `uids` [N] group ids (any hashable values: str
-or int), in any order. A group is every response with the same uid value; position in the batch never
-matters, and permuting the inputs permutes the outputs. KL in the reward (algorithm.use_kl_loss =
-false, as EasyR1): `token_kl`, N tensors [L_i] with the KL estimate at every response token, and its
-coefficient `kl_coef` (beta). REINFORCE++ subtracts beta * KL token by token; every other estimator
-sees one reward per response, r_i = score_i - beta * sum_t kl_{i,t} (kl_in_reward), as in EasyR1.
-Outputs: float32 [N], one advantage per response that the actor broadcasts over its tokens; for
-REINFORCE++ (the names in TOKEN_LEVEL) a list of N float32 tensors [L_i], one advantage per token.
-Group statistics are computed in float64 and vectorised: a group index from numpy.unique (it handles
-string uids), then index_add / scatter_reduce over it; no Python loop over samples.
-
-Differences from EasyR1, and why:
-- A group whose rewards have no spread (max - min <= 1e-6) gets exactly 0 in every group estimator.
-  EasyR1 computes (r - mean) / (std + 1e-6), and a constant group of a non-dyadic reward (0.7 x 16)
-  leaves rounding residue that the tiny std then amplifies into sizeable fake advantages.
-- Dr. GRPO (no division by the std) is an option: norm_by_std=False.
-- A group of one raises an error naming its uid (EasyR1 asserts); allow_singletons=True gives it 0.
-- reinforce_plus_plus_baseline (veRL's; EasyR1 has none) whitens over responses, not over tokens.
-- remax checks that the greedy baseline is the same for every response of a prompt.
-- Online filtering (groups_to_keep) also drops groups without spread for the estimators that give
-  them advantage 0 (ZERO_WHEN_FLAT): EasyR1 only thresholds the group mean, which keeps an
-  all-wrong-but-well-formatted group (every overall = 0.1) that then trains on nothing.
+Inputs: `scores` [N] (the reward function's "overall") and `uids` [N] group ids (str or int), in any order:
+a group is every response with the same uid, never a run of positions, and permuting the inputs permutes
+the outputs. KL in the reward (algorithm.use_kl_loss = false, as EasyR1): `token_kl`, N tensors [L_i] of
+the KL estimate per response token, and its coefficient `kl_coef` (beta). REINFORCE++ subtracts beta * KL
+token by token; every other estimator sees r_i = score_i - beta * sum_t kl_{i,t} (kl_in_reward).
+Outputs: float32 [N], one advantage per response (the actor broadcasts it over the tokens); for the
+estimators in TOKEN_LEVEL, N float32 tensors [L_i]. Group statistics are float64 and vectorised (a group
+index from numpy.unique, then index_add / scatter_reduce): no Python loop over samples. A group without
+spread (max - min <= FLAT) gets exactly 0 from every group estimator; a group of one is an error naming
+its uid unless allow_singletons=True (advantage 0).
 """
 
 import numpy as np
@@ -36,12 +24,9 @@ FLAT = 1e-6  # a group whose rewards satisfy max - min <= FLAT has no spread: it
 
 
 def grpo(scores, uids, norm_by_std=True, eps=1e-6, allow_singletons=False):
-    """GRPO (DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), g the group of response i.
-
-    std_g is the unbiased standard deviation (n - 1 in the denominator), as torch.std and EasyR1.
-    norm_by_std=False is Dr. GRPO (arXiv 2503.20783): A_i = r_i - mean_g.
-    A group without spread gets exactly 0.
-    """
+    """GRPO (DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), g the group of response i, std_g unbiased
+    (n - 1 in the denominator, as torch.std and EasyR1). norm_by_std=False is Dr. GRPO (arXiv 2503.20783):
+    A_i = r_i - mean_g."""
     x, g, n, flat = group_stats(scores, uids, allow_singletons)  # [N] f64, [N], [G], [G]
     mean, std = group_mean_std(x, g, n)                          # [G], [G]
     adv = x - mean[g]                                            # [N]
@@ -54,29 +39,24 @@ def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
     """Pass@k GRPO (arXiv 2503.19595): only the best response of a group is pushed up.
 
     A_i = (max_g - second_g) / (std_g + eps)  if r_i = max_g,   else 0
-    second_g is the largest reward left after taking one maximum out, so a tie at the top gives 0.
-    std_g unbiased; a group without spread gets exactly 0.
+    second_g is the largest reward left after taking one maximum out, so a tie at the top gives 0; std_g unbiased.
     """
     x, g, n, flat = group_stats(scores, uids, allow_singletons)   # [N] f64, [N], [G], [G]
     _, std = group_mean_std(x, g, n)                              # [G]
     top = group_reduce(x, g, len(n), "amax")                      # [G]
     is_top = x == top[g]                                          # [N]
-    n_top = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, is_top.double())  # [G]
-    below = group_reduce(torch.where(is_top, -torch.inf, x), g, len(n), "amax")           # [G]
-    second = torch.where(n_top > 1, top, below)                                          # [G]
-    adv = torch.where(is_top, ((top - second) / (std + eps))[g], 0.0)                    # [N]
+    n_top = group_sum(is_top.double(), g, len(n))                  # [G]
+    below = group_reduce(torch.where(is_top, -torch.inf, x), g, len(n), "amax")  # [G]
+    second = torch.where(n_top > 1, top, below)                    # [G]
+    adv = torch.where(is_top, ((top - second) / (std + eps))[g], 0.0)            # [N]
     return torch.where(flat[g], 0.0, adv).float()
 
 
 def rloo(scores, uids, allow_singletons=False):
-    """RLOO (Ahmadian et al. 2024): leave-one-out baseline.
-
-    A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1)   ( = n_g / (n_g - 1) * (r_i - mean_g) )
-    A group without spread gets exactly 0.
-    """
-    x, g, n, flat = group_stats(scores, uids, allow_singletons)                          # [N] f64, ...
-    total = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, x)                 # [G]
-    adv = x - (total[g] - x) / (n[g] - 1).clamp(min=1)                                   # [N]
+    """RLOO (Ahmadian et al. 2024), a leave-one-out baseline:
+    A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1)   ( = n_g / (n_g - 1) * (r_i - mean_g) )."""
+    x, g, n, flat = group_stats(scores, uids, allow_singletons)   # [N] f64, [N], [G], [G]
+    adv = x - (group_sum(x, g, len(n))[g] - x) / (n[g] - 1).clamp(min=1)  # [N]
     return torch.where(flat[g], 0.0, adv).float()
 
 
@@ -108,8 +88,6 @@ def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False)
     c_i = r_i - mean_g              (exactly 0 for a group without spread)
     A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses
     Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
-    veRL takes mean and var over tokens (each response weighted by its length), so there mean(c) != 0
-    and flat groups get a small shared advantage.
     """
     x, g, n, flat = group_stats(scores, uids, allow_singletons)    # [N] f64, [N], [G], [G]
     mean, _ = group_mean_std(x, g, n)                              # [G]
@@ -122,15 +100,13 @@ def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False)
 
 def remax(scores, uids, baselines):
     """ReMax (arXiv 2310.10505): A_i = r_i - b_i, b_i the reward of the greedy response to i's prompt.
-
-    baselines [N]: b_i for every response (the same value within a group; checked).
-    """
-    x = as_scores(scores, uids)                                                          # [N] f64
+    baselines [N]: b_i for every response (the same value within a group; checked)."""
+    x = as_scores(scores, uids)                                    # [N] f64
     if baselines is None:
         raise ValueError("remax needs baselines: the reward of a greedy (temperature 0) response per prompt")
-    b = as_scores(baselines, uids, "baseline")                                           # [N] f64
+    b = as_scores(baselines, uids, "baseline")                     # [N] f64
     g, names = group_index(uids)
-    spread = group_reduce(b, g, len(names), "amax") - group_reduce(b, g, len(names), "amin")  # [G]
+    spread = group_spread(b, g, len(names))                        # [G]
     if (spread > FLAT).any():
         uid = names[int(torch.argmax(spread))]
         raise ValueError(f"remax: the baselines of group uid={uid!r} differ; every response of a prompt "
@@ -150,15 +126,9 @@ ESTIMATORS = {
 
 def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, lengths=None, token_kl=None,
                        kl_coef=0.0, **opts):
-    """Advantages from the estimator `name` (a key of ESTIMATORS): float32 [N], or N float32 tensors
-    [L_i] for the estimators in TOKEN_LEVEL.
-
-    scores [N]: the reward function's "overall". token_kl (N tensors [L_i], the KL estimate at each
-    response token) and kl_coef: KL in the reward, see the module docstring; None: none.
-    lengths [N]: response lengths in tokens, for reinforce_plus_plus (from token_kl when not given).
-    baselines: remax only. norm_by_std (algorithm.norm_adv_by_std_in_grpo): grpo only, as in EasyR1;
-    the other estimators ignore it. opts: the estimator's own options (eps, allow_singletons).
-    """
+    """Advantages from the estimator `name` (a key of ESTIMATORS); inputs and outputs as in the module
+    docstring. lengths [N]: for TOKEN_LEVEL (from token_kl when not given); baselines: remax only;
+    norm_by_std (algorithm.norm_adv_by_std_in_grpo): grpo only, as in EasyR1; opts: eps, allow_singletons."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     if baselines is not None and name != "remax":
@@ -174,14 +144,13 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
     if token_kl is not None:
         scores = kl_in_reward(as_scores(scores, uids), [float(torch.as_tensor(k).sum()) for k in token_kl], kl_coef)
     if name == "remax":
-        return remax(scores, uids, baselines, **opts)
+        opts["baselines"] = baselines
     if name == "grpo":
         opts["norm_by_std"] = norm_by_std
     return ESTIMATORS[name](scores, uids, **opts)
 
 
-# ---------------------------------------------------------------------------------------------------
-# KL in the reward (algorithm.use_kl_loss = false): r_i <- r_i - beta * sum_t kl_t
+# -- KL in the reward (algorithm.use_kl_loss = false): r_i <- r_i - beta * sum_t kl_t ----------------
 
 def kl_in_reward(scores, kl_sums, beta):
     """scores [N] - beta * kl_sums [N] (float64); kl_sums[i] = sum over response i's tokens of the KL
@@ -227,7 +196,6 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Adaptive beta (Ziegler et al. 2019) that steers the measured KL towards target_kl:
-
     e = clip(current_kl / target_kl - 1, -0.2, 0.2)
     beta <- beta * (1 + e * n_steps / horizon)
     current_kl: the step's mean KL (EasyR1: mean over responses of each response's token-mean KL);
@@ -242,16 +210,12 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-# ---------------------------------------------------------------------------------------------------
-# Online filtering and metrics.
+# -- Online filtering and metrics --------------------------------------------------------------------
 
 def groups_to_keep(values, uids, low, high, require_spread=True):
     """The set of uids whose groups are worth training on: low < mean_g(values) < high and, with
-    require_spread, max_g - min_g > 1e-6 (values: one number per response, e.g. the filter_key score).
-
-    EasyR1 tests only the mean; a group of identical values inside (low, high) then survives with
-    all-zero advantages. require_spread=False reproduces EasyR1.
-    """
+    require_spread, max_g - min_g > FLAT (values: one per response, e.g. the filter_key score).
+    require_spread=False tests only the mean, as EasyR1."""
     x, g, n, flat = group_stats(values, uids, allow_singletons=True)   # [N] f64, [N], [G], [G]
     mean, _ = group_mean_std(x, g, n)                                  # [G]
     keep = (mean > low) & (mean < high)                                # [G]
@@ -262,9 +226,8 @@ def groups_to_keep(values, uids, low, high, require_spread=True):
 
 
 def advantage_metrics(scores, advantages, uids):
-    """Per-step metrics (EasyR1 names; EasyR1 averages over tokens, these over responses, and the
-    advantages of a TOKEN_LEVEL estimator, a list of [L_i] tensors, over tokens):
-    critic/score/{mean,max,min}, critic/advantages/{mean,max,min}, adv/zero_std_group_frac."""
+    """critic/score/{mean,max,min}, critic/advantages/{mean,max,min} (over responses; over tokens for a
+    TOKEN_LEVEL estimator's list of [L_i] tensors) and adv/zero_std_group_frac."""
     x, _, _, flat = group_stats(scores, uids, allow_singletons=True)   # [N] f64, ..., [G]
     if isinstance(advantages, list) and advantages and torch.is_tensor(advantages[0]) and advantages[0].dim():
         adv = torch.cat(advantages).double()                            # [T]
@@ -277,8 +240,7 @@ def advantage_metrics(scores, advantages, uids):
     }
 
 
-# ---------------------------------------------------------------------------------------------------
-# Helpers: groups by uid value.
+# -- Helpers: groups by uid value --------------------------------------------------------------------
 
 def group_index(uids):
     """(g [N] long, names): g[i] is the group number of uids[i]; names[k] the uid of group k (sorted).
@@ -289,7 +251,7 @@ def group_index(uids):
 
 def as_scores(scores, uids, what="score"):
     """scores as a float64 [N] tensor; an error if the shape does not match uids or a value is not finite."""
-    x = scores.detach().to("cpu", torch.float64) if torch.is_tensor(scores) else torch.tensor(scores, dtype=torch.float64)
+    x = torch.as_tensor(scores, dtype=torch.float64, device="cpu").detach()
     if x.dim() != 1 or len(x) != len(uids):
         raise ValueError(f"{what}s have shape {tuple(x.shape)} but there are {len(uids)} uids; both must be [N]")
     bad = torch.nonzero(~torch.isfinite(x)).flatten()
@@ -305,23 +267,31 @@ def group_stats(scores, uids, allow_singletons):
     A group of one raises unless allow_singletons (it is then flat)."""
     x = as_scores(scores, uids)
     g, names = group_index(uids)
-    n = torch.zeros(len(names), dtype=torch.float64).index_add_(0, g, torch.ones_like(x))
+    n = group_sum(torch.ones_like(x), g, len(names))
     if not allow_singletons and (n == 1).any():
         lonely = [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]
         raise ValueError(f"{len(lonely)} group(s) have a single response (uid {lonely[0]!r}"
                          f"{', ...' if len(lonely) > 1 else ''}): a group baseline needs n >= 2 responses "
                          f"per prompt (worker.rollout.n), or pass allow_singletons=True to give them advantage 0")
-    flat = group_reduce(x, g, len(names), "amax") - group_reduce(x, g, len(names), "amin") <= FLAT
-    return x, g, n, flat
+    return x, g, n, group_spread(x, g, len(names)) <= FLAT
 
 
 def group_mean_std(x, g, n):
     """Per-group mean and unbiased std [G], two-pass in float64 (mean first, then squared deviations)."""
-    mean = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, x) / n
-    squares = torch.zeros(len(n), dtype=torch.float64).index_add_(0, g, (x - mean[g]) ** 2)
-    return mean, torch.sqrt(squares / (n - 1).clamp(min=1))
+    mean = group_sum(x, g, len(n)) / n
+    return mean, torch.sqrt(group_sum((x - mean[g]) ** 2, g, len(n)) / (n - 1).clamp(min=1))
+
+
+def group_sum(x, g, n_groups):
+    """Per-group sum of x [N] -> [G]."""
+    return torch.zeros(n_groups, dtype=x.dtype).index_add_(0, g, x)
 
 
 def group_reduce(x, g, n_groups, reduce):
     """Per-group max ("amax") or min ("amin") of x [N] -> [G]."""
     return torch.zeros(n_groups, dtype=x.dtype).scatter_reduce_(0, g, x, reduce, include_self=False)
+
+
+def group_spread(x, g, n_groups):
+    """Per-group max - min of x [N] -> [G]."""
+    return group_reduce(x, g, n_groups, "amax") - group_reduce(x, g, n_groups, "amin")
