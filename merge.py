@@ -5,30 +5,20 @@
     python merge.py --local_dir ... --merge_lora      # LoRA run: the merged full model, not the adapter
 
 Reads what actor.Actor.save_checkpoint writes: <local_dir>/model/, the torch.distributed.checkpoint (DCP) of
-the model state dict written by any number of ranks (its .metadata names every tensor, its shape, dtype
-and pieces; for LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config,
-tokenizer, processor, chat template; adapter_config.json for LoRA), which is never modified.
-Writes, by default to <local_dir>/merged (<local_dir>/adapter for a LoRA run without --merge_lora):
-  full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, with
-               the names save_pretrained writes (transformers 5 reverts its in-memory renames, e.g. Qwen2.5-VL
-               model.language_model.layers.* -> model.layers.*, model.visual.* -> visual.*), a tied lm_head
-               left out as save_pretrained does, and every file of huggingface/ copied byte for byte
-               (config.json's "dtype" is rewritten only when --dtype is given).
+the model state dict from any number of ranks (its .metadata names every tensor, shape, dtype and piece; for
+LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config, tokenizer, processor,
+chat template; adapter_config.json for LoRA), never modified. Writes to <local_dir>/merged by default
+(<local_dir>/adapter for a LoRA run without --merge_lora), through <output>.partial renamed at the end:
+  full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, named as
+               save_pretrained names them (transformers' revert_weight_conversion, e.g. Qwen2.5-VL
+               model.language_model.layers.* -> model.layers.*), a tied lm_head left out, and every file of
+               huggingface/ copied byte for byte (config.json's "dtype" rewritten only with --dtype).
   LoRA adapter adapter_model.safetensors with peft's saved names (adapter name removed), adapter_config.json
-               (inference_mode true), and the tokenizer/processor files (no config.json).
+               (inference_mode true) and the tokenizer/processor files (no config.json).
   --merge_lora the full model with W <- W + scale * B @ A for every adapted linear (see merged_tensor).
-It is written to <output>.partial and renamed into place at the end: a crash leaves no half folder.
-
-Peak memory: tensors are read from the DCP one output shard at a time (dcp.load into pre-allocated
-tensors of that shard only), cast, written and freed: about max_shard_size * (stored bytes / written
-bytes) + the largest tensor, whatever the model size. The model itself is only built on the meta device.
-
-Differences from EasyR1's scripts/model_merger.py (and why):
-- The dtype is a flag (default: as stored), not forced to bf16: a fp32 run can be kept lossless.
-- A missing tensor or a missing/truncated shard file is an error naming it (EasyR1 reused a stale tensor).
-- Any number of ranks and any sharding, through DCP's own metadata; nothing holds all shards in RAM.
-- generation_config.json (the EOS list) and the processor are copied exactly as the base model had them.
-- LoRA is merged from the checkpoint's own tensors, without reloading the base model; no Hub upload.
+Peak memory: one output shard at a time is read from the DCP (dcp.load into tensors of that shard), cast,
+written and freed: about max_shard_size * (stored / written bytes) + the largest tensor; the model itself
+is only built on the meta device.
 """
 
 import argparse
