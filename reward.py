@@ -4,42 +4,18 @@
     score = load_reward_function("my_reward.py:compute_score", max_response_length=2048)
     scores = score(inputs)                                        # list of dicts -> list of dicts
 
-A reward input (built by the trainer, one per response) is EasyR1's dict plus two keys:
+A reward input (built by the trainer, one per response) is EasyR1's dict plus `prompt` and `extra`:
     response:        str   the decoded response (special tokens skipped)
     response_length: int   its length in tokens
     ground_truth:    str   the row's answer
-    prompt:          str   the prompt text (new; EasyR1 does not pass it)
-    extra:           dict  the row's other columns (new; e.g. a difficulty or a task type)
-A reward function returns one dict of floats per input, with at least "overall" (the scalar reward
-that advantage.py turns into advantages); any other keys are logged as metrics.
-
-A user's reward file is written exactly as for EasyR1: a module-level REWARD_TYPE = "batch" (the
-default: fn(list of inputs, **kwargs) -> list of dicts) or "sequential" (fn(input, **kwargs) -> dict).
-
-Differences from EasyR1, and why:
-- The prompt text and the row's extra columns reach the reward function: users asked for them
-  (rubric rewards, per-task scoring) and they cost nothing.
-- Every result is checked. A function that raises, returns NaN/inf, a non-number, the wrong number
-  of dicts, forgets "overall" or changes its keys between samples stops training with a RewardError
-  naming the function and the sample (index, head of the response, ground truth). EasyR1 passes
-  such values on, where a NaN silently poisons the whole batch's advantages.
-- Keyword arguments are checked against the function's signature when it is loaded, not at the
-  first call in the middle of a run.
-- A time limit per call (worker.reward.call_timeout; EasyR1 has none, and a function that never
-  returns hangs training there): the step fails naming the function and the sample. With a limit, the
-  function runs in a reward process forked once at load time and killed at a timeout (see
-  RewardFunction); module-level state persists there between calls, as in EasyR1's reward worker.
-- Answers are compared with math-verify (parse + verify, a SymPy-based grader) instead of mathruler,
-  after a plain string match. Every parse and comparison has a timeout, so one pathological
-  expression (say 9^{9^{9}}) counts as wrong instead of hanging training.
-- The built-in scorers take one sample at a time (reward type "sequential"); the batch/sequential
-  distinction matters only for user files.
-- math and r1v give EasyR1's format scores on any string, but run in linear time: EasyR1's tidy regex
-  is quadratic in a run of spaces (40,000 spaces: 9 s) and its format regex, with four `.*`, can
-  backtrack for minutes on a long degenerate response.
-- r1v: the answer tag is matched across lines (EasyR1's is not, so a multi-line answer falls back to
-  the whole response there).
-- toy: a scorer for the offline toy tasks (new).
+    prompt:          str   the prompt text
+    extra:           dict  the row's other columns (e.g. a difficulty or a task type)
+A reward function returns one dict of floats per input, with at least "overall" (the scalar reward that
+advantage.py turns into advantages); any other keys are logged as metrics. A user's file is written as for
+EasyR1: a module-level REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of dicts) or
+"sequential" (fn(input, **kwargs) -> dict); the built-ins are sequential. The keyword arguments are checked
+against the function's signature at load, and every result on return (a dict with "overall", finite
+numbers, the same keys for every sample): a RewardError names the function and the sample.
 """
 
 import importlib.util
@@ -94,13 +70,12 @@ def load_reward_function(spec, call_timeout=None, **kwargs):
 class RewardFunction:
     """A reward function with its kwargs bound; calling it scores a list of inputs and checks the results.
 
-    call_timeout (seconds, or None for no limit) bounds every call of the function: one per sample for a
-    sequential function, one per batch for a batch function. With a limit the function runs in a
-    reward process, forked here (before the trainer starts Ray or any threads, and without pickling the
-    function) and serving calls over a pipe; at a timeout it is killed and the step fails, naming the
-    function and the sample (for a batch, the first sample that also times out alone). A thread would
-    not do: Python cannot stop a thread, and a thread stuck in C code that holds the GIL (a regex
-    backtracking on a long response) blocks the trainer too, so its timeout would never fire.
+    call_timeout (seconds, or None for no limit) bounds every call: one per sample (sequential) or per batch.
+    With a limit the function runs in a reward process forked here (before Ray or any thread starts; the
+    function is not pickled) that serves calls over a pipe; at a timeout it is killed and the step fails,
+    naming the function and the sample (for a batch, the first sample that also times out alone). Not a
+    thread: Python cannot stop one, and one stuck in C code holding the GIL (a regex backtracking on a long
+    response) would block the trainer's timer too.
     """
 
     def __init__(self, fn, name, reward_type, kwargs, call_timeout=None):
@@ -125,14 +100,14 @@ class RewardFunction:
                 try:
                     results.append(self._call(sample))
                 except _Failed as e:
-                    raise self._error(inputs, i, e.what) from e.__cause__
+                    raise self._error(inputs, i, str(e)) from e.__cause__
         else:
             try:
                 results = self._call(list(inputs))
             except _Failed as e:
                 failing = self._first_failing_sample(inputs)
                 if failing is None:
-                    raise RewardError(f"reward function {self.name!r} {e.what} on a batch of {len(inputs)} "
+                    raise RewardError(f"reward function {self.name!r} {e} on a batch of {len(inputs)} "
                                       f"(no single sample fails alone)") from e.__cause__
                 raise self._error(inputs, failing[0], failing[1]) from e.__cause__
             if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
@@ -163,13 +138,12 @@ class RewardFunction:
         return scores
 
     def _first_failing_sample(self, inputs):
-        """(index, what went wrong) of the first input on which the batch function raises or times out
-        when called alone, or None. (Only after a failure: it calls the function once per sample.)"""
+        """(index, what went wrong) of the first input that fails alone, or None (after a batch failed)."""
         for i, sample in enumerate(inputs):
             try:
                 self._call([sample])
             except _Failed as e:
-                return i, e.what
+                return i, str(e)
         return None
 
     def _call(self, arg):
@@ -239,11 +213,7 @@ class RewardFunction:
 
 
 class _Failed(Exception):
-    """A call of the reward function went wrong; `what` says how, for the RewardError."""
-
-    def __init__(self, what):
-        super().__init__(what)
-        self.what = what
+    """A call of the reward function went wrong; str(e) says how, for the RewardError."""
 
 
 def _serve(fn, kwargs, pipe):
@@ -285,7 +255,7 @@ def math_reward(sample, format_weight=0.1, timeout=10.0):
     form = 1.0 if box >= 0 and "}" in text[box + len("\\boxed{"):] else 0.0
     answer = last_boxed(text)
     accuracy = 1.0 if answer is not None and is_equivalent(answer, sample["ground_truth"], timeout) else 0.0
-    return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
+    return _weighted(accuracy, form, format_weight)
 
 
 R1V_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
@@ -306,7 +276,7 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     found = R1V_ANSWER.search(text)
     answer = found.group(1) if found else text
     accuracy = 1.0 if is_equivalent(answer, sample["ground_truth"], timeout) else 0.0
-    return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
+    return _weighted(accuracy, form, format_weight)
 
 
 DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
@@ -358,6 +328,11 @@ def toy_reward(sample, format_weight=0.1):
     word = words[0].lower().strip(".,;:!?\"'()[]{}") if words else ""
     accuracy = 1.0 if word and word == str(sample["ground_truth"]).strip().lower() else 0.0
     form = 1.0 if word in TOY_COLORS or word.isdigit() else 0.0
+    return _weighted(accuracy, form, format_weight)
+
+
+def _weighted(accuracy, form, format_weight):
+    """The scores of math, r1v and toy: overall = (1 - format_weight) * accuracy + format_weight * format."""
     return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
 
 
@@ -392,14 +367,11 @@ def last_boxed(text):
 
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
-    """True if `answer` and `ground_truth` are the same mathematical object: equal strings (after
-    stripping), or equal to math-verify (\\frac{1}{2}, 0.5, 1/2 and \\dfrac12 agree; units and
-    degree signs are ignored).
-
-    timeout: seconds each math-verify step (parse answer, parse ground truth, compare) may take,
-    rounded up to whole seconds; a timeout or any grader exception counts as not equivalent.
-    math-verify times out with SIGALRM, which works only in the main thread: elsewhere this raises
-    unless timeout <= 0 (no timeout at all, so a pathological expression could hang).
+    """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify
+    (\\frac{1}{2}, 0.5, 1/2 and \\dfrac12 agree; units and degree signs are ignored). timeout: seconds
+    (rounded up) for each math-verify step (parse answer, parse ground truth, compare); a timeout or any
+    grader exception counts as not equivalent. math-verify's timeout is SIGALRM, main thread only:
+    elsewhere this raises unless timeout <= 0 (no timeout, so a pathological expression could hang).
     """
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
     if not answer:
