@@ -19,13 +19,11 @@ Pieces, usable alone: load_rows(spec, cfg) -> Rows; PromptBuilder(cfg, processor
 process_image(image, min_pixels, max_pixels) -> PIL.Image; process_video(video, min_pixels, max_pixels, fps)
 -> (frames, metadata). Bad input raises DataError (a ValueError) that names the file and row.
 
-The prompt dict (one per row; read by rollout.py, trainer.py, actor.py):
+The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built lazily per batch, ragged:
     uid                 str         f"{epoch}-{index}": unique per prompt within a run (the trainer may overwrite)
     index               int         row number in the source (over all its files, before filtering)
-    prompt_ids          list[int]   chat-templated prompt, image and video placeholders EXPANDED (what the
-                                    actor trains on)
-    raw_prompt_ids      list[int]   the same, UNexpanded: one <|image_pad|> per image, one <|video_pad|> per
-                                    video (what vLLM wants)
+    prompt_ids          list[int]   chat-templated prompt, image and video placeholders EXPANDED (for the actor)
+    raw_prompt_ids      list[int]   the same UNexpanded: one <|image_pad|> / <|video_pad|> each (for vLLM)
     prompt_text         str         the chat-templated prompt text (unexpanded)
     images              list[PIL.Image]  the resized RGB images, in order ([] for text-only rows)
     videos              list[ndarray]    each video's sampled, resized frames, uint8 [T, H, W, 3], in order
@@ -38,32 +36,14 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py):
                                     get_rope_index), [1, P] for text models; P = len(prompt_ids)
     ground_truth        str         the answer column
     extra               dict        the row's other columns, untouched
+Each image and video is decoded and resized once per sample; the same pixels go to the rollout engine and,
+through the processor, to the actor, so their token counts always agree.
 
-Config attributes read (DataConfig in trainer.py, documented in configs/geo3k.yaml): prompt_key,
-answer_key, image_key, video_key, image_dir, video_fps, max_prompt_length, format_prompt,
-override_chat_template, system_prompt, seed, min_pixels, max_pixels (per image and per video frame, as in
-EasyR1), filter_overlong_prompts, filter_overlong_prompts_workers, skip_bad_rows. The files, batch sizes and
-shuffle come as arguments.
+Config attributes read (DataConfig, documented in configs/geo3k.yaml): prompt_key, answer_key, image_key,
+video_key, image_dir, video_fps, max_prompt_length, format_prompt, override_chat_template, system_prompt,
+seed, min_pixels, max_pixels (per image and per video frame, as in EasyR1), filter_overlong_prompts,
+filter_overlong_prompts_workers, skip_bad_rows. The files, batch sizes and shuffle come as arguments.
 Relative paths (sources, templates) are tried from the working directory, then from this file's folder.
-
-Differences from EasyR1 (and why):
-- Each image is opened and resized once per sample; the same resized images travel in the prompt to
-  the rollout engine and their processor tensors to the actor, so image-token counts always agree
-  (EasyR1 processed them three times, trusting the three to match).
-- A prompt longer than max_prompt_length is an error naming the row when filtering is off, never a
-  silent right-truncation (which cut through image tokens: "Image features and image tokens do not match").
-- Every row is checked at start-up, filter or not, images decoded (a bad row fails at once, naming it, or
-  is skipped and counted with data.skip_bad_rows, a key EasyR1 lacks). The length counts text tokens plus
-  image tokens from the image size through the processor's own resize arithmetic, without resizing or
-  running the processor (EasyR1 ran the full processor over every row, and only when filtering).
-- Prompts are built lazily per batch, ragged: no padding, no attention mask.
-- Optional system prompt. A missing format_prompt/override_chat_template file is an error naming the
-  path (EasyR1 silently ignored it). configs/format/dapo.jinja has real newlines, not literal "\\n".
-- An image (video) count that disagrees with the <image> (<video>) placeholders is an error naming the row.
-- Upscaling below min_pixels rounds sides up, so the result really has at least min_pixels pixels.
-- Videos are decoded with PyAV (EasyR1: qwen-vl-utils), frames picked as qwen-vl-utils picks them and resized
-  like images; one row may hold images and videos together (EasyR1 took the images and dropped the videos).
-  The frames are decoded once per sample and the same frames go to vLLM and the processor.
 """
 
 import bisect
@@ -281,7 +261,7 @@ class PromptBuilder:
     def build(self, row, index, where):
         """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
         cfg = self.cfg
-        text, raw_ids, out, images, videos = self.encode(row, where)
+        text, raw_ids, out, images, frames, metadata = self.encode(row, where)
         ids = out["input_ids"][0]  # [P]
         if len(ids) > cfg.max_prompt_length:
             raise DataError(_overlong(where, len(ids), cfg.max_prompt_length))
@@ -297,39 +277,42 @@ class PromptBuilder:
         answer = self.answer(row, where)
         skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
-                "prompt_text": text, "images": images, "videos": [frames for frames, _ in videos],
-                "video_metadata": [metadata for _, metadata in videos], "multi_modal_inputs": multi_modal_inputs,
+                "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
+                "multi_modal_inputs": multi_modal_inputs,
                 "position_ids": position_ids, "ground_truth": str(answer),
                 "extra": {k: v for k, v in row.items() if k not in skip}}
 
     def encode(self, row, where):
-        """(text, raw_ids, the processor's output, images resized, videos as (frames, metadata)) of one row."""
+        """(text, raw_ids, the processor's output, resized images, each video's frames, their metadata)."""
         cfg = self.cfg
         text, raw_images, raw_videos = self.prompt_text(row, where)
-        images, videos = [], []
-        for k, image in enumerate(raw_images):
-            try:
-                images.append(process_image(image, cfg.min_pixels, cfg.max_pixels, cfg.image_dir))
-            except Exception as e:
-                raise DataError(f"{where}: image {k} of column '{cfg.image_key}' is unreadable: {e!r}") from e
-        for k, video in enumerate(raw_videos):
-            try:
-                videos.append(process_video(video, cfg.min_pixels, cfg.max_pixels, cfg.video_fps, cfg.image_dir))
-            except Exception as e:
-                raise DataError(f"{where}: video {k} of column '{cfg.video_key}' is unreadable: {e!r}") from e
+        images = self.decode(where, "image", raw_images, process_image, cfg.min_pixels, cfg.max_pixels, cfg.image_dir)
+        videos = self.decode(where, "video", raw_videos, process_video, cfg.min_pixels, cfg.max_pixels, cfg.video_fps,
+                             cfg.image_dir)
+        frames, metadata = [f for f, _ in videos], [m for _, m in videos]
         raw_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.image_processor is None:
-            return text, raw_ids, {"input_ids": torch.tensor([raw_ids])}, images, videos
+            return text, raw_ids, {"input_ids": torch.tensor([raw_ids])}, images, frames, metadata
         # Frames are sampled already: the processor must not sample again (Qwen3-VL's would), and reads the
         # metadata for Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch.
-        video_kwargs = ({"videos": [frames for frames, _ in videos], "do_sample_frames": False,
-                         "video_metadata": [metadata for _, metadata in videos]} if videos else {})
+        video_kwargs = {"videos": frames, "do_sample_frames": False, "video_metadata": metadata} if videos else {}
         try:
             out = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt",
                                  **video_kwargs)
         except Exception as e:
             raise DataError(f"{where}: the processor failed on this row: {e!r}") from e
-        return text, raw_ids, out, images, videos
+        return text, raw_ids, out, images, frames, metadata
+
+    def decode(self, where, kind, items, fn, *args):
+        """[fn(item, *args) for each item]; an item that fails is a DataError naming the row, item and column."""
+        out = []
+        for k, item in enumerate(items):
+            try:
+                out.append(fn(item, *args))
+            except Exception as e:
+                key = self.cfg.image_key if kind == "image" else self.cfg.video_key
+                raise DataError(f"{where}: {kind} {k} of column '{key}' is unreadable: {e!r}") from e
+        return out
 
     def measure(self, row, where):
         """The length build() will give, checking the row on the way (answer, placeholders, every image decoded
@@ -341,15 +324,9 @@ class PromptBuilder:
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        for k, image in enumerate(images):
-            try:
-                opened = _open_image(image, self.cfg.image_dir)
-                opened.load()
-                width, height = _target_size(*opened.size, self.cfg.min_pixels, self.cfg.max_pixels)
-                if opened is not image:
-                    opened.close()
-            except Exception as e:
-                raise DataError(f"{where}: image {k} of column '{self.cfg.image_key}' is unreadable: {e!r}") from e
+        cfg = self.cfg
+        for width, height in self.decode(where, "image", images, _image_size, cfg.min_pixels, cfg.max_pixels,
+                                         cfg.image_dir):
             patches = self.image_processor.get_number_of_image_patches(height, width, {})
             n += patches // self.image_processor.merge_size ** 2 - 1
         return n
@@ -379,14 +356,9 @@ class PromptBuilder:
                                 f"<{kind}> placeholder(s) in the prompt; put one <{kind}> where each {kind} goes")
             if items and self.image_processor is None:
                 raise DataError(f"{where}: the row has {kind}s but the model is text-only (no image processor)")
-        if images or videos:
-            parts = []
-            for piece in re.split(r"(<image>|<video>)", content):
-                if piece in ("<image>", "<video>"):
-                    parts.append({"type": piece[1:-1]})
-                elif piece:
-                    parts.append({"type": "text", "text": piece})
-            content = parts
+        if images or videos:  # [{"type": "image"}, {"type": "text", "text": ...}, {"type": "video"}, ...]
+            content = [{"type": piece[1:-1]} if piece in ("<image>", "<video>") else {"type": "text", "text": piece}
+                       for piece in re.split(r"(<image>|<video>)", content) if piece]
         messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         messages.append({"role": "user", "content": content})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -461,6 +433,15 @@ def _target_size(width, height, min_pixels, max_pixels):
         s = math.sqrt(min_pixels / (width * height))
         return math.ceil(width * s), math.ceil(height * s)
     return width, height
+
+
+def _image_size(image, min_pixels, max_pixels, image_dir):
+    """process_image's output size: the image decoded (a truncated body fails here), not resized."""
+    opened = _open_image(image, image_dir)
+    opened.load()
+    if opened is not image:
+        opened.close()
+    return _target_size(*opened.size, min_pixels, max_pixels)
 
 
 def _open_image(image, image_dir):
