@@ -8,8 +8,8 @@
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=max_response_length, seed=seed)
     engine.sleep()                                             # give the memory back to the actor
 
-Config attributes read (RolloutConfig in trainer.py, documented in configs/geo3k.yaml): name, n, temperature,
-top_p, top_k, dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization, enforce_eager,
+Config attributes read (RolloutConfig, documented in configs/geo3k.yaml): name, n, temperature, top_p, top_k,
+dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization, enforce_eager,
 enable_chunked_prefill, tensor_parallel_size, max_model_len, max_num_batched_tokens, disable_log_stats,
 disable_tqdm, and limit_videos (not a key: the trainer sets it to the most videos in one row of the data).
 Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps decoding past EOS
@@ -28,26 +28,12 @@ Each response is a dict:
                                 (after the placeholder ban, temperature, top-k and top-p), same length
     finish_reason:  "stop" | "length"   (length = no EOS within max_tokens: truncated)
 generate(prompts, n) returns len(prompts) * n of them, grouped: prompt i owns positions i*n .. i*n+n-1.
+Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j): n requests, not one with n
+samples. The image and video placeholder tokens are banned: a sampled one would break the actor's forward.
 
-Both engines hold their OWN full copy of the weights. Generation never runs on the FSDP-sharded training
-module: ranks decode different numbers of steps, and a sharded forward would deadlock in its all-gathers.
-
-Differences from EasyR1 (and why):
-- Seeds: every response draws from its own stream seeded by derive_seed(seed, prompt, sample), where the
-  caller's seed already mixes (config seed, step, data-parallel rank). EasyR1 put one fixed seed into
-  SamplingParams, so the i-th sample of every prompt in every step reused the same random stream.
-- Both the image AND the video placeholder are banned (EasyR1 left the video one as a TODO); a sampled
-  placeholder breaks the actor's forward ("image features and image tokens do not match").
-- The rollout log-probs are returned (vLLM logprobs_mode="processed_logprobs"), so the trainer can log
-  |logp_rollout - logp_actor| and catch a broken weight sync; EasyR1 never asked vLLM for them.
-- Responses are ragged lists cut after the first EOS, not right-padded tensors with a mask.
-- n samples are n requests (each with its own seed), not SamplingParams(n=...): no dependence on how a vLLM
-  version seeds child requests, and the hf engine uses the same seeds.
-- After every rollout vLLM's prefix cache and multimodal encoder cache are reset: both hold results of the
-  old weights, and a repeated image (validation!) would otherwise reuse stale vision embeddings.
-- LoRA is synced as merged weights (the actor's named_tensors() merges); no adapter-from-tensors hijack.
-- A transformers engine exists for CPU, tests and small models; the vLLM engine refuses to generate
-  before its first weight sync (load_format="dummy" means random weights until then).
+Both engines hold their OWN full copy of the weights (LoRA arrives merged). Generation never runs on the
+FSDP-sharded training module: ranks decode different numbers of steps, and a sharded forward would deadlock
+in its all-gathers.
 """
 
 import hashlib
@@ -89,9 +75,7 @@ def derive_seed(*parts):
     return int.from_bytes(digest, "little") >> 2
 
 
-# ----------------------------------------------------------------------------------------------
-# The transformers engine: a KV-cache sampling loop over left-padded batches.
-# ----------------------------------------------------------------------------------------------
+# -- The transformers engine: a KV-cache sampling loop over left-padded batches --------------------------------
 
 class HFRollout:
     """Its own unsharded copy of the model (AutoModelForImageTextToText when the config has a vision_config,
@@ -258,9 +242,7 @@ def _sample_next(logits, banned_ids, temperature, top_p, top_k, generators):
     return token, logp.gather(1, token[:, None])[:, 0]
 
 
-# ----------------------------------------------------------------------------------------------
-# The vLLM engine: in-process SPMD (external_launcher), one engine per TP group, colocated with the actor.
-# ----------------------------------------------------------------------------------------------
+# -- The vLLM engine: in-process SPMD (external_launcher), one engine per TP group, colocated with the actor ---
 
 class VLLMRollout:
     """vLLM >= 0.11 in this process, weights synced from the actor (load_format="dummy": random until then).
@@ -284,8 +266,9 @@ class VLLMRollout:
         from transformers import AutoConfig
 
         self.cfg, self.max_response_length = cfg, max_response_length
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=getattr(cfg, "trust_remote_code", False))
-        self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path, getattr(cfg, "trust_remote_code", False))
+        remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
+        self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path, remote)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
         # Videos per prompt: the most in one row of the data (the trainer sets limit_videos); 0 when the data has
         # none, so vLLM neither profiles nor reserves memory for a video.
@@ -303,8 +286,8 @@ class VLLMRollout:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len or max_prompt_length + max_response_length,
             seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
-            logprobs_mode="processed_logprobs", trust_remote_code=getattr(cfg, "trust_remote_code", False),
-            **extra)  # log-probs after bias, temperature, top-k/p; trust_remote_code: handed over by the trainer
+            logprobs_mode="processed_logprobs", trust_remote_code=remote,  # log-probs after bias, temperature, top-k/p
+            **extra)
         self.llm.sleep(level=1)
         self.asleep, self.synced = {"weights", "kv_cache"}, False
 
@@ -366,9 +349,8 @@ class VLLMRollout:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
-        # The one place HF names would be mapped to vLLM's: none is needed. For Qwen2/2.5-VL, Qwen3-VL and text
-        # LMs vLLM's own hf_to_vllm_mapper takes transformers' names (model.language_model.*, model.visual.*,
-        # lm_head.*) on vLLM >= 0.11; checked on 0.24.0 with a Qwen2.5-VL state dict. Rename here if a model needs it.
+        # HF names need no mapping: vLLM's hf_to_vllm_mapper takes transformers' names (model.language_model.*,
+        # model.visual.*, lm_head.*) for Qwen2/2.5/3-VL and text LMs (checked on 0.24.0); rename here if one needs it.
         _vllm_internals(self.llm)["model"].load_weights(named_tensors)
         self.synced = True
 
@@ -406,9 +388,7 @@ def _vllm_internals(llm):
             "tp_group": parallel_state.get_tp_group() if parallel_state.model_parallel_is_initialized() else None}
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared helpers
-# ----------------------------------------------------------------------------------------------
+# -- Shared helpers --------------------------------------------------------------------------------------------
 
 def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
     """A response dict cut after its first EOS ("stop"); without one it is truncated ("length")."""
