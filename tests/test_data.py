@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import data
 import toy as toy_world
@@ -77,15 +78,11 @@ def vl(toy):
 
 @pytest.fixture(scope="module")
 def model(toy):
-    from transformers import AutoModelForImageTextToText
-
     return AutoModelForImageTextToText.from_pretrained(toy["vl_model"]).eval()
 
 
 @pytest.fixture(scope="module")
 def processor(toy):
-    from transformers import AutoProcessor
-
     return AutoProcessor.from_pretrained(toy["vl_model"])
 
 
@@ -361,8 +358,6 @@ def test_multi_image_prompt_matches_model_rope_vision_tower_and_forward(tmp_path
 
 
 def test_text_only_rows_on_the_vl_model_and_on_a_text_model(toy, model):
-    from transformers import AutoModelForCausalLM
-
     row = {"problem": "What is 3 + 4?", "answer": 7}
     vl_prompt = builder(toy["vl_model"]).build(row, 0, "mem row 0")
     text_prompt = builder(toy["text_model"]).build(row, 0, "mem row 0")
@@ -694,8 +689,8 @@ def test_qwen2_vl_and_qwen3_vl_prompts_match_their_models(family, tmp_path, toy)
         ref = processor(text=[prompt["prompt_text"]], images=prompt["images"] or None, return_tensors="pt", **videos)
         assert prompt["prompt_ids"] == ref["input_ids"][0].tolist()
         if family == "qwen3_vl" and videos:  # Qwen3-VL: a timestamp before each temporal patch (frames 0,2 / 5,7)
-            assert "<0.2 seconds>" in processor.decode(prompt["prompt_ids"]) and "<1.5 seconds>" in processor.decode(
-                prompt["prompt_ids"])
+            decoded = processor.decode(prompt["prompt_ids"])
+            assert "<0.2 seconds>" in decoded and "<1.5 seconds>" in decoded
         rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
                                              image_grid_thw=ref.get("image_grid_thw"),
                                              video_grid_thw=ref.get("video_grid_thw"))
