@@ -167,8 +167,7 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
       - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts; without it a
         DataError naming the row (skipped and counted with skip_bad).
     `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
-    cfg = builder.cfg
-    limit = cfg.max_prompt_length
+    cfg, limit = builder.cfg, builder.cfg.max_prompt_length
     lengths = _measure_rows(rows, builder, workers)  # per row: its length, or the error message of a bad row
     bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
     overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
@@ -245,9 +244,8 @@ class PromptBuilder:
         self.image_processor = getattr(processor, "image_processor", None)
         self.rope_model = None
         if self.image_processor is not None:
-            # The bare model class built on the meta device: no weight is read or allocated (a 7B model
-            # builds in ~0.2 s), yet get_rope_index, which reads only the config, runs on CPU tensors.
-            # So the positions are the model's own for every Qwen-VL family, not a re-derivation.
+            # The bare model on the meta device (no weight read or allocated; a 7B model builds in ~0.2 s): its
+            # get_rope_index reads only the config, so the positions are the model's own for every Qwen-VL family.
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             with torch.device("meta"):
                 self.rope_model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
@@ -380,14 +378,10 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
 
 
 def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
-    """(frames, metadata): the video decoded with PyAV, sampled at `fps` frames per second of video, each frame
-    resized as process_image resizes an image (within min/max pixels, aspect kept):
-        frames    uint8 [T, H, W, 3]  RGB
-        metadata  {fps (the source's), duration, total_num_frames, frames_indices, video_backend}: what the
-                  processor needs for Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch, and
-                  what vLLM needs with a Qwen3-VL video
-    `video`: a path (relative paths are joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}.
-    A file whose frames do not all decode (truncated, corrupt) raises."""
+    """(frames uint8 [T, H, W, 3] RGB, metadata as in the prompt dict): the video decoded with PyAV, sampled at
+    `fps` frames per second (sample_frame_indices), each frame resized as process_image resizes an image.
+    `video`: a path (relative: joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}. A file whose
+    frames do not all decode (truncated, corrupt) raises."""
     import av
 
     with av.open(_source(video, image_dir)) as container:
