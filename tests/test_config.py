@@ -4,10 +4,16 @@ import re
 import pytest
 import yaml
 
+import config
 import trainer
-from trainer import ConfigError, load_config
+from config import CONFIGS, ConfigError, load_config
 
-CONFIGS = os.path.join(trainer.HERE, "configs")
+
+def load_checked(*overrides):
+    """load_config, then trainer's check of the values each stage accepts (its own tables), as the command line."""
+    cfg = load_config(None, overrides)
+    trainer.check_choices(cfg)
+    return cfg
 
 
 def test_defaults_match_easyr1_example_config():
@@ -45,6 +51,18 @@ def test_yaml_and_overrides_with_type_coercion(tmp_path):
     assert cfg.worker.rollout.val_override_config == {"temperature": 0.0, "n": 2}
 
 
+def test_a_dict_key_is_replaced_whole_and_one_entry_can_be_set(tmp_path):
+    """A file's val_override_config replaces the default's (no top_p 0.95 left over);
+    `key.entry=value` on the command line sets one entry and keeps the others."""
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  rollout:\n    val_override_config: {temperature: 0.0, n: 1}\n")
+    assert load_config(str(path)).worker.rollout.val_override_config == {"temperature": 0.0, "n": 1}
+    cfg = load_config(None, ["worker.rollout.val_override_config.top_p=0.9"])
+    assert cfg.worker.rollout.val_override_config == {"temperature": 0.6, "top_p": 0.9, "n": 1}
+    with pytest.raises(ConfigError, match=re.escape("worker.rollout is a section; set its keys")):
+        load_config(None, ["worker.rollout=5"])
+
+
 @pytest.mark.parametrize("override, suggestion", [
     ("worker.rollout.temprature=0.5", "worker.rollout.temperature"),
     ("temperature=0.5", "worker.rollout.temperature"),
@@ -77,7 +95,7 @@ def test_cross_key_checks():
     with pytest.raises(ConfigError, match="needs groups"):
         load_config(None, ["worker.rollout.n=1"])
     with pytest.raises(ConfigError, match="not one of"):
-        load_config(None, ["algorithm.adv_estimator=gae"])
+        load_checked("algorithm.adv_estimator=gae")
 
 
 def test_every_key_documented_once_in_geo3k_yaml():
@@ -95,18 +113,18 @@ def test_every_key_documented_once_in_geo3k_yaml():
         if is_leaf:
             documented.add(dotted)
             assert "#" in line or dotted.startswith("worker.ref."), f"no comment for {dotted}"
-    keys = set(trainer._all_keys())
+    keys = set(config.KEYS)
     assert keys - documented == set(), f"undocumented keys: {sorted(keys - documented)}"
     assert documented - keys == set(), f"documented keys that do not exist: {sorted(documented - keys)}"
     # And the file itself equals the defaults: it is the reference job.
-    assert trainer.config_to_dict(load_config(os.path.join(CONFIGS, "geo3k.yaml"))) == trainer.config_to_dict(load_config())
+    assert config.config_to_dict(load_config(os.path.join(CONFIGS, "geo3k.yaml"))) == config.config_to_dict(load_config())
 
 
 def test_every_shipped_config_loads():
     names = [n for n in os.listdir(CONFIGS) if n.endswith(".yaml")]
     assert "toy.yaml" in names and "geo3k.yaml" in names
     for name in names:
-        load_config(os.path.join(CONFIGS, name))
+        trainer.check_choices(load_config(os.path.join(CONFIGS, name)))
 
 
 def test_print_config_and_typo_on_the_command_line(capsys):
@@ -152,10 +170,10 @@ def test_worker_count_that_does_not_divide_the_batch_fails_at_load():
 ])
 def test_keys_that_were_silently_ignored_now_fail_with_a_message(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        load_checked(override)
     # the values that do what EasyR1 does load
-    load_config(None, ["worker.ref.fsdp.torch_dtype=bf16", "worker.actor.fsdp.mp_buffer_dtype=float32",
-                       "trainer.logger=[console,file,mlflow,swanlab]"])
+    load_checked("worker.ref.fsdp.torch_dtype=bf16", "worker.actor.fsdp.mp_buffer_dtype=float32",
+                 "trainer.logger=[console,file,mlflow,swanlab]")
 
 
 def test_bare_config_name_resolves_under_configs(capsys):

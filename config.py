@@ -1,0 +1,366 @@
+"""config.py: every setting of a run, with EasyR1's section and key names. Imports no stage module (nor Ray,
+nor datasets), so tests and benchmarks build the real configs here.
+
+    cfg = load_config("configs/geo3k.yaml", ["worker.rollout.n=8", "trainer.logger=[console,wandb]"])
+    cfg.worker.actor.optim.lr                      # 1e-06: plain dataclasses, one per section
+
+One dataclass per EasyR1 section (`data`, `algorithm`, `worker.actor`, `worker.ref`, `worker.rollout`,
+`worker.reward`, `trainer`) with the defaults of EasyR1's `examples/config.yaml`; `configs/geo3k.yaml`
+documents every key once. load_config merges defaults <- YAML file <- `a.b.c=value` overrides as EasyR1 does,
+with OmegaConf structured configs: each value must fit its key's type (`n=2.5` fails, `lr=1e-5` is a float),
+`a,b` sets a list key, and a dict key (override_config, val_override_config, reward_function_kwargs) is replaced
+whole, not merged key by key. An unknown key fails at once and names the closest valid key; check_config
+then checks values that depend on each other. trainer.py checks the values each stage accepts (estimators,
+loss types, dtypes, engines, loggers) against the stages' own tables.
+"""
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+@dataclass
+class DataConfig:
+    train_files: str = "hiyouga/geometry3k@train"
+    val_files: str = "hiyouga/geometry3k@test"
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    video_key: str = "videos"
+    image_dir: Optional[str] = None
+    video_fps: float = 2.0
+    max_prompt_length: int = 2048
+    max_response_length: int = 2048
+    rollout_batch_size: int = 512
+    mini_rollout_batch_size: Optional[int] = None
+    val_batch_size: int = 1024
+    format_prompt: Optional[str] = "configs/format/math.jinja"
+    override_chat_template: Optional[str] = None
+    system_prompt: Optional[str] = None
+    shuffle: bool = True
+    seed: int = 1
+    min_pixels: int = 262144
+    max_pixels: int = 4194304
+    filter_overlong_prompts: bool = True
+    filter_overlong_prompts_workers: int = 16
+    skip_bad_rows: bool = False
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    disable_kl: bool = False
+    use_kl_loss: bool = True
+    kl_penalty: str = "low_var_kl"
+    kl_coef: float = 1.0e-2
+    kl_type: str = "fixed"
+    kl_horizon: float = 10000.0
+    kl_target: float = 0.1
+    gamma: float = 1.0
+    online_filtering: bool = False
+    filter_key: str = "overall"
+    filter_low: float = 0.01
+    filter_high: float = 0.99
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    alpha: int = 64
+    target_modules: str = "all-linear"
+    exclude_modules: Optional[str] = ".*visual.*"
+
+
+@dataclass
+class ModelConfig:
+    model_path: Optional[str] = "Qwen/Qwen2.5-VL-7B-Instruct"
+    tokenizer_path: Optional[str] = None
+    override_config: dict = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = True
+    trust_remote_code: bool = False
+    freeze_vision_tower: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.0e-6
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1.0e-2
+    strategy: str = "adamw"
+    lr_warmup_ratio: float = 0.0
+    lr_warmup_steps: Optional[int] = None
+    min_lr_ratio: Optional[float] = None
+    lr_scheduler_type: str = "constant"
+
+
+@dataclass
+class FSDPConfig:
+    enable_full_shard: bool = True
+    enable_cpu_offload: bool = False
+    enable_rank0_init: bool = True
+    use_orig_params: bool = False
+    torch_dtype: Optional[str] = None
+    fsdp_size: int = -1
+    mp_param_dtype: str = "bf16"
+    mp_reduce_dtype: str = "fp32"
+    mp_buffer_dtype: str = "fp32"
+
+
+@dataclass
+class OffloadConfig:
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp"
+    global_batch_size: int = 128
+    micro_batch_size_per_device_for_update: int = 1
+    micro_batch_size_per_device_for_experience: int = 2
+    max_tokens_per_micro_batch: Optional[int] = None
+    max_grad_norm: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.3
+    clip_ratio_dual: float = 3.0
+    tau_positive: float = 1.0
+    tau_negative: float = 1.05
+    loss_avg_mode: str = "token"
+    loss_type: str = "default"
+    tis_cap: Optional[float] = None
+    ppo_epochs: int = 1
+    padding_free: bool = True
+    dynamic_batching: bool = True
+    ulysses_size: int = 1
+    use_torch_compile: bool = False
+    compute_entropy: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class RefConfig:
+    fsdp: FSDPConfig = field(default_factory=lambda: FSDPConfig(enable_cpu_offload=True))
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    n: int = 5
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 1
+    limit_images: int = 0
+    dtype: str = "bf16"
+    ignore_eos: bool = False
+    gpu_memory_utilization: float = 0.6
+    enforce_eager: bool = False
+    enable_chunked_prefill: bool = False
+    tensor_parallel_size: int = 2
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: int = 8192
+    disable_log_stats: bool = True
+    disable_tqdm: bool = False
+    val_override_config: dict = field(default_factory=lambda: {"temperature": 0.6, "top_p": 0.95, "n": 1})
+
+
+@dataclass
+class RewardConfig:
+    reward_function: str = "math"
+    reward_function_kwargs: dict = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    timeout: float = 10.0
+    call_timeout: Optional[float] = 600.0
+
+
+@dataclass
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 15
+    max_steps: Optional[int] = None
+    project_name: str = "easy_r1"
+    experiment_name: str = "qwen2_5_vl_7b_geo3k_grpo"
+    logger: list = field(default_factory=lambda: ["console", "file"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    device: str = "auto"
+    max_try_make_batch: int = 20
+    val_freq: int = 5
+    val_before_train: bool = True
+    val_only: bool = False
+    val_generations_to_log: int = 3
+    save_freq: int = 5
+    save_limit: int = 3
+    save_model_only: bool = False
+    save_checkpoint_path: Optional[str] = None
+    load_checkpoint_path: Optional[str] = None
+    find_last_checkpoint: bool = True
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _leaves(cls, prefix=""):
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            yield from _leaves(hint, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", hint
+
+
+KEYS = dict(_leaves(Config))  # every dotted key and its type: "worker.rollout.n" -> int
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path=None, overrides=()):
+    """Defaults <- YAML file <- `a.b.c=value` overrides, then check_config. Raises ConfigError naming the bad key."""
+    cfg = OmegaConf.structured(Config)  # struct mode: a key that is not a field is an error
+    if path is not None:
+        path = _config_file(path)
+        tree = OmegaConf.load(path)
+        if not isinstance(tree, DictConfig):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level, got a list")
+        cfg = _merge(cfg, tree, path, replace_dicts=True)
+    for item in overrides:
+        key, equals, value = item.partition("=")
+        key = key.strip()
+        if not equals:
+            raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
+        if any(k.startswith(key + ".") for k in KEYS):
+            raise ConfigError(f"{key} is a section; set its keys ({key}.<key>=value)")
+        if KEYS.get(key) is list and not value.lstrip().startswith("["):
+            value = f"[{value}]"  # a,b,c on the command line
+        # `val_override_config={...}` replaces the dict; `val_override_config.top_p=0.9` sets one entry
+        cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), "command line", replace_dicts=key in KEYS)
+    try:
+        cfg = OmegaConf.to_object(cfg)  # the dataclasses, ${...} interpolations resolved
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
+    check_config(cfg)
+    return cfg
+
+
+def _merge(cfg, layer, source, replace_dicts):
+    """cfg with `layer` merged in (OmegaConf checks keys and types); with replace_dicts, a dict key that the
+    layer sets is replaced, not merged entry by entry."""
+    for key, hint in KEYS.items():
+        if replace_dicts and hint is dict and OmegaConf.select(layer, key, throw_on_resolution_failure=False) is not None:
+            OmegaConf.update(cfg, key, {}, merge=False)
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except ConfigKeyError as e:
+        raise _unknown_key(e.full_key, source) from None
+    except OmegaConfBaseException as e:
+        if e.full_key not in KEYS:  # e.g. a value given for a whole section
+            raise ConfigError(f"{source}: {str(e).splitlines()[0]}") from None
+        value = OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False)
+        expected = " or ".join("null" if t is type(None) else t.__name__
+                               for t in typing.get_args(KEYS[e.full_key]) or [KEYS[e.full_key]])
+        raise ConfigError(f"{e.full_key}={value!r} ({source}): expected {expected}") from None
+
+
+def _unknown_key(key, source):
+    keys = list(KEYS)
+    last = key.split(".")[-1]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if not close:  # right name, wrong section: match on the last part
+        close = [k for k in keys if k.split(".")[-1] == last] or difflib.get_close_matches(
+            last, [k.split(".")[-1] for k in keys], n=1, cutoff=0.6)
+        close = [k for k in keys if close and k.split(".")[-1] == close[0].split(".")[-1]][:1]
+    hint = f" did you mean {close[0]}?" if close else ""
+    return ConfigError(f"unknown config key {key!r} ({source}).{hint}")
+
+
+def _config_file(path):
+    """`path` as given if it exists, else the file of that name in configs/ (`geo3k.yaml`, or `geo3k`)."""
+    if os.path.isfile(path):
+        return path
+    for name in (path, path + ".yaml"):
+        if os.sep not in name and os.path.isfile(os.path.join(CONFIGS, name)):
+            return os.path.join(CONFIGS, name)
+    shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".yaml"))
+    raise ConfigError(f"no config file {path!r} (nor in {CONFIGS}: {', '.join(shipped)})")
+
+
+def config_to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def check_config(cfg):
+    """Checks of values against each other, before any model is loaded. The values a stage accepts from its own
+    table (estimators, loss types, dtypes, engines, loggers) are checked in trainer.py."""
+    a, r, d = cfg.worker.actor, cfg.worker.rollout, cfg.data
+    choices = {  # keys whose values no stage lists in a table
+        "algorithm.kl_penalty": (cfg.algorithm.kl_penalty, ["kl", "abs", "mse", "low_var_kl"]),
+        "algorithm.kl_type": (cfg.algorithm.kl_type, ["fixed", "adaptive"]),
+        "worker.actor.strategy": (a.strategy, ["fsdp"]),
+        "worker.actor.optim.strategy": (a.optim.strategy, ["adamw", "adamw_bf16"]),
+        "worker.actor.optim.lr_scheduler_type": (a.optim.lr_scheduler_type, ["constant", "cosine"]),
+        "trainer.device": (cfg.trainer.device, ["auto", "cpu", "cuda"]),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    positive = {"data.rollout_batch_size": d.rollout_batch_size, "data.mini_rollout_batch_size": d.mini_rollout_batch_size,
+                "worker.actor.global_batch_size": a.global_batch_size, "worker.actor.ppo_epochs": a.ppo_epochs,
+                "worker.rollout.n": r.n, "trainer.total_epochs": cfg.trainer.total_epochs,
+                "trainer.max_steps": cfg.trainer.max_steps, "trainer.nnodes": cfg.trainer.nnodes,
+                "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node}
+    for key, value in positive.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if d.val_batch_size == 0 or d.val_batch_size < -1:
+        raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
+    if a.clip_ratio_dual <= 1.0:
+        raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
+    if d.rollout_batch_size % a.global_batch_size != 0:
+        raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
+                          f"worker.actor.global_batch_size={a.global_batch_size}")
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # one worker per GPU (per process on the CPU)
+    tp = r.tensor_parallel_size if r.name == "vllm" else 1
+    if world % tp:
+        raise ConfigError(f"worker.rollout.tensor_parallel_size={tp} must divide the {world} workers "
+                          f"(trainer.nnodes x trainer.n_gpus_per_node)")
+    for name, count in (("data.rollout_batch_size x worker.rollout.n", d.rollout_batch_size * r.n),
+                        ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
+        if count % world:
+            raise ConfigError(f"{name} = {count} must be divisible by the {world} workers "
+                              f"(trainer.nnodes x trainer.n_gpus_per_node)")
+    if cfg.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: "
+                          f"set worker.rollout.n >= 2 (it is {r.n})")
+    if cfg.algorithm.gamma != 1.0:
+        raise ConfigError("algorithm.gamma must be 1.0: a response has one reward at its end, so a discount "
+                          "only rescales it (per-token rewards are not supported)")
+    if a.ulysses_size != 1:
+        raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
+    if not a.padding_free:
+        raise ConfigError("worker.actor.padding_free=false is not supported: the actor always packs sequences")
