@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import actor  # noqa: E402
+import modeling  # noqa: E402
 
 TEMPERATURE = 0.7
 LOGP_ATOL = 1e-5
@@ -153,7 +154,7 @@ def packed_backward(a, samples, weights):
 
 
 def full_grads(a):
-    return {n: actor.full_tensor(p.grad, torch.device("cpu")).clone() for n, p in a.hf.named_parameters()
+    return {n: modeling.full_tensor(p.grad, torch.device("cpu")).clone() for n, p in a.hf.named_parameters()
             if p.grad is not None}
 
 
@@ -187,7 +188,7 @@ def test_pack_samples_layout_by_hand():
     s0 = {"prompt_ids": [5, 6, 7], "response_ids": [8, 9],
           "position_ids": torch.tensor([[0, 1, 2], [0, 1, 1], [0, 0, 1], [0, 5, 6]])}
     s1 = {"prompt_ids": [1, 2], "response_ids": [3], "position_ids": torch.tensor([[0, 1]])}
-    b = actor.pack_samples([s0, s1], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
+    b = modeling.pack_samples([s0, s1], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3]]
     assert b["position_ids"].shape == (4, 1, 8)
     assert b["position_ids"][:, 0].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 1, 2, 3, 0, 1, 2],
@@ -196,29 +197,29 @@ def test_pack_samples_layout_by_hand():
     assert b["resp_index"].tolist() == [2, 3, 6]  # the token before each response token, per sequence
     assert b["labels"].tolist() == [8, 9, 3]
     assert b["resp_cu_seqlens"].tolist() == [0, 2, 3]
-    text = actor.pack_samples([{"prompt_ids": [4, 4], "response_ids": []}], is_vl=False)
+    text = modeling.pack_samples([{"prompt_ids": [4, 4], "response_ids": []}], is_vl=False)
     assert text["position_ids"].tolist() == [[0, 1]] and text["resp_index"].numel() == 0
 
 
 def test_pack_samples_rejects_mismatched_image_tokens():
     mm = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}  # 16 / 2^2 = 4 tokens
     good = {"prompt_ids": [1, 99, 99, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm}
-    assert actor.pack_samples([good], is_vl=True, image_token_id=99, video_token_id=98, merge=2)["mm"][
+    assert modeling.pack_samples([good], is_vl=True, image_token_id=99, video_token_id=98, merge=2)["mm"][
         "pixel_values"].shape == (16, 8)
     bad = {"prompt_ids": [1, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm}
     with pytest.raises(ValueError, match="sample 0 has 2 pixel_values placeholder"):
-        actor.pack_samples([bad], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
+        modeling.pack_samples([bad], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
 
 
 def test_partition_balanced_by_hand():
-    assert actor.partition_balanced([10, 1, 9, 2, 8, 3], 2, equal_size=True) == [[0, 3, 5], [1, 2, 4]]  # 15 / 18
+    assert modeling.partition_balanced([10, 1, 9, 2, 8, 3], 2, equal_size=True) == [[0, 3, 5], [1, 2, 4]]  # 15 / 18
     # largest first into the lightest group: 7 | 7 | 6, then 5 -> 6, 4 -> 7 (first of the ties), 1 -> 7
-    assert actor.partition_balanced([7, 7, 6, 5, 4, 1], 3) == [[0, 4], [1, 5], [2, 3]]
-    assert actor.partition_balanced([3], 3) == [[0], [], []]
-    assert actor.micro_batches_needed([100, 100, 100, 100], 200) == 2
-    assert actor.micro_batches_needed([120, 110, 100], 200) == 3  # 2 groups: 120 | 110 + 100 = 210 > 200
+    assert modeling.partition_balanced([7, 7, 6, 5, 4, 1], 3) == [[0, 4], [1, 5], [2, 3]]
+    assert modeling.partition_balanced([3], 3) == [[0], [], []]
+    assert modeling.micro_batches_needed([100, 100, 100, 100], 200) == 2
+    assert modeling.micro_batches_needed([120, 110, 100], 200) == 3  # 2 groups: 120 | 110 + 100 = 210 > 200
     with pytest.raises(ValueError, match="equal groups"):
-        actor.partition_balanced([1, 2, 3], 2, equal_size=True)
+        modeling.partition_balanced([1, 2, 3], 2, equal_size=True)
 
 
 def test_chunked_response_head_equals_full_logits():
@@ -226,7 +227,7 @@ def test_chunked_response_head_equals_full_logits():
     hidden = torch.randn(11, 16, requires_grad=True)
     head = torch.nn.Linear(16, 50, bias=False)
     labels = torch.randint(0, 50, (11,))
-    logp, ent = actor.response_log_probs(hidden, head, labels, 0.7, with_entropy=True, chunk=4)
+    logp, ent = modeling.response_log_probs(hidden, head, labels, 0.7, with_entropy=True, chunk=4)
     (logp * torch.arange(11.0)).sum().backward()
     got = (hidden.grad.clone(), head.weight.grad.clone())
     hidden.grad, head.weight.grad = None, None
@@ -244,7 +245,7 @@ def test_attention_backend_isolates_sequences():
     torch.manual_seed(0)
     q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)  # 4 query heads, 2 KV heads
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    out = actor.varlen_attention(q, k, v, cu, 5, causal=True)
+    out = modeling.varlen_attention(q, k, v, cu, 5, causal=True)
     for a, b in ((0, 4), (4, 9)):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1).repeat_interleave(2, 0),
@@ -323,7 +324,7 @@ def test_responses_sharing_a_prompt_encode_its_image_once(vl, monkeypatch):
     samples = [samples[i] for i in (0, 3, 1, 4, 2)]  # interleaved, as a shuffled batch would be
     a = make_actor(vl.path, global_batch_size=5)  # one mini-batch
     assert sorted(map(sorted, a._plan(samples, "update"))) == [[0, 1, 2, 3, 4]]
-    tower = actor.vision_tower(a.hf)
+    tower = modeling.vision_tower(a.hf)
     patches = []
     monkeypatch.setattr(tower, "forward", lambda x, *args, _f=tower.forward, **kw: patches.append(len(x)) or _f(x, *args, **kw))
     logps = a.compute_log_probs(samples)
@@ -454,7 +455,7 @@ def test_adamw_bf16_follows_adamw():
     p_bf16.data.copy_(p_ref.data)
     start = p_ref.data.clone()
     ref = torch.optim.AdamW([p_ref], lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
-    ours = actor.AdamWBF16([p_bf16], lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
+    ours = modeling.AdamWBF16([p_bf16], lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
     for _ in range(3):
         grad = torch.randn(4, 5)
         p_ref.grad, p_bf16.grad = grad.clone(), grad.clone()
@@ -618,6 +619,6 @@ def test_flop_count_parameters_by_hand(toy, tied):
                                config.num_attention_heads, config.num_key_value_heads)
     d = h // heads
     per_layer = (h * h + h) + 2 * (h * kv * d + kv * d) + h * h + 3 * h * i + 2 * h
-    counts = actor.count_flops_params(hf, config)
+    counts = modeling.count_flops_params(hf, config)
     assert counts == {"body": layers * per_layer + h, "head": config.vocab_size * h, "vision": 0,
                       "attention": d * heads * layers}

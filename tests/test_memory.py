@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import actor as actor_module  # noqa: E402
+import modeling  # noqa: E402
 
 STEPS, LR, SCALE, SHAPE = 200, 1e-6, 0.02, (256, 256)
 
@@ -28,7 +29,7 @@ def adamw_runs(weight_decay):
     ref, lossy = torch.nn.Parameter(w0.float()), torch.nn.Parameter(w0.float())
     p = torch.nn.Parameter(w0.clone())
     opts = [torch.optim.AdamW([ref], lr=LR, weight_decay=weight_decay),
-            actor_module.AdamWBF16([p], lr=LR, weight_decay=weight_decay),
+            modeling.AdamWBF16([p], lr=LR, weight_decay=weight_decay),
             torch.optim.AdamW([lossy], lr=LR, weight_decay=weight_decay)]
     for _ in range(STEPS):
         g = torch.randn(SHAPE, generator=gen).bfloat16()
@@ -61,7 +62,7 @@ def test_adamw_bf16_keeps_the_updates_that_bf16_rounds_away(weight_decay):
 
 def test_adamw_bf16_state_is_bf16_and_fp32_weights_get_no_compensation():
     p32, p16 = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4, 3).bfloat16())
-    opt = actor_module.AdamWBF16([p32, p16], lr=1e-3)
+    opt = modeling.AdamWBF16([p32, p16], lr=1e-3)
     for p in (p32, p16):
         p.grad = torch.ones_like(p)
     before = p32.detach().clone()
@@ -88,7 +89,7 @@ def _sharded_adamw_main(rank, port, out_path):
     try:
         model = _tiny_model()
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-        opt = actor_module.AdamWBF16(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = modeling.AdamWBF16(model.parameters(), lr=1e-3, weight_decay=0.1)
         _train(model, opt)
         state = opt.state[model.weight]
         assert all(isinstance(state[k], DTensor) for k in ("exp_avg", "exp_avg_sq", "compensation"))
@@ -131,7 +132,7 @@ def test_adamw_bf16_on_fsdp2_shards_matches_one_process(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0], f"rank exit codes {[p.exitcode for p in procs]}"
     full, comp = torch.load(tmp_path / "out.pt")
     model = _tiny_model()
-    opt = actor_module.AdamWBF16(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = modeling.AdamWBF16(model.parameters(), lr=1e-3, weight_decay=0.1)
     _train(model, opt)
     for name, p in model.named_parameters():
         assert torch.equal(full[name], p.detach()), name
@@ -184,8 +185,8 @@ def test_easyr1_offload_settings_start_and_train_on_the_cpu(toy, monkeypatch, ca
 
 def _where(actor):
     """({devices of the parameters' local shards}, {devices of the optimizer's state tensors}, their bytes)."""
-    params = [actor_module._local(p) for p in actor.module.parameters()]
-    state = [actor_module._local(v) for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = [modeling._local(p) for p in actor.module.parameters()]
+    state = [modeling._local(v) for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return ({t.device.type for t in params}, {t.device.type for t in state},
             sum(t.numel() * t.element_size() for t in params + state))
 

@@ -1,0 +1,588 @@
+"""modeling.py: the model plumbing under actor.py, skippable on a first reading. Imports no stage.
+
+Building the model (loading, LoRA, FSDP2 sharding), packing samples into one padding-free row and balancing
+micro-batches, the packed forward with the vision calls and the response-only LM head, attention routed over
+explicit sequence boundaries, and small pieces for weight streaming, FLOP counting, offloading and a bf16 AdamW.
+
+Needs transformers >= 5.18 (its Qwen-VL forwards take precomputed `mm_encoder_outputs`; 5.17 is refused with a
+clear error; tested with 5.22.2 and 5.24.0) and torch >= 2.6 (FSDP2).
+"""
+
+import inspect
+import logging
+import math
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The name contains "flash" on purpose: transformers' Qwen-VL vision attention then hands its own per-window /
+# per-image cu_seqlens to the attention function in one call (`is_flash_attention_requested` is a substring test).
+ATTENTION = "packed_flash_varlen"
+HEAD_CHUNK = 1024  # response tokens per LM-head chunk: [1024, vocab] fp32 logits at a time
+# Dense bf16 peak TFLOP/s by device-name substring, first match wins: "H200" must come before "H20".
+PEAK_TFLOPS = [("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("B200", 2250.0),
+               ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("4090", 165.0)]
+VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"),
+                "video": ("get_video_features", "pixel_values_videos", "video_grid_thw")}
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the model: loading, LoRA, FSDP2
+# ----------------------------------------------------------------------------------------------
+
+def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
+    """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward.
+
+    The reference is frozen; `freeze_vision_tower` freezes the tower; the actor gets non-reentrant gradient
+    checkpointing when enabled. With a process group the model is sharded (shard_model); with
+    fsdp.enable_rank0_init rank 0 reads the weights and the others build on the meta device and receive them.
+    """
+    sharded = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
+    rank0_init = sharded and world > 1 and cfg.fsdp.enable_rank0_init
+    hf, module, config, full_state = load_model(cfg.model, master_dtype, compute_dtype, lora_rank,
+                                                meta=rank0_init and rank != 0, keep_full_state=rank0_init and rank == 0)
+    if role == "ref":
+        module.requires_grad_(False)
+    elif cfg.model.freeze_vision_tower and getattr(config, "vision_config", None) is not None:
+        vision_tower(hf).requires_grad_(False)
+    if role == "actor" and cfg.model.enable_gradient_checkpointing:
+        enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.2x
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.train(role == "actor")  # dropout is 0 in the supported models; train() enables checkpointing
+    hf.packed_forward = types.MethodType(packed_forward, hf)
+    if not sharded:
+        return hf.to(device), module, config
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    shard_model(hf, device, cfg.fsdp, compute_dtype, world)
+    if rank0_init:
+        set_model_state_dict(module, full_state or {}, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        broadcast_buffers(hf, device)
+    register_fsdp_forward_method(hf, "packed_forward")  # the root's parameters are gathered around it
+    return hf, module, config
+
+
+def load_model(model_cfg, master_dtype, compute_dtype, lora_rank, meta=False, keep_full_state=False):
+    """-> (hf model, state module, config, full state dict or None). AutoModelForImageTextToText when the config
+    has a vision_config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else AutoModelForCausalLM; `meta`: no weights. Attention
+    is routed to packed_attention on every sub-config. LoRA: peft adapters in the master dtype on frozen base
+    weights stored in the compute dtype."""
+    from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                              PreTrainedConfig)
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
+                                        **(model_cfg.override_config or {}))
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    weights_dtype = compute_dtype if lora_rank else master_dtype
+    if meta:
+        with torch.device("meta"):
+            hf = auto.from_config(config, dtype=weights_dtype, trust_remote_code=model_cfg.trust_remote_code)
+    else:
+        hf = auto.from_pretrained(model_cfg.model_path, config=config, dtype=weights_dtype,
+                                  trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa")
+    seen = set()
+    for m in hf.modules():
+        c = getattr(m, "config", None)
+        if isinstance(c, PreTrainedConfig) and id(c) not in seen:
+            seen.add(id(c))
+            c._attn_implementation = ATTENTION  # the setter recurses into sub-configs
+    module = hf
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = model_cfg.lora
+        targets = lora.target_modules if lora.target_modules == "all-linear" else \
+            [t.strip() for t in lora.target_modules.split(",") if t.strip()]
+        module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
+                                               target_modules=targets, exclude_modules=lora.exclude_modules))
+        for p in module.parameters():
+            p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
+    full_state = dict(module.state_dict()) if keep_full_state else None
+    return hf, module, config, full_state
+
+
+def shard_model(hf, device, fsdp_cfg, compute_dtype, world):
+    """fully_shard every decoder layer and vision block (the model's _no_split_modules), then the root.
+    fsdp_size in (0, world): hybrid sharding (replicate x shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    size = fsdp_cfg.fsdp_size
+    if 0 < size < world:
+        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("ddp", "fsdp"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    offload = fsdp_cfg.enable_cpu_offload and device.type == "cuda"
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype],
+                                     cast_forward_inputs=True)
+    kwargs = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.enable_full_shard, mp_policy=precision,
+                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    units = set(getattr(hf, "_no_split_modules", None) or [])
+    for m in list(hf.modules()):
+        if type(m).__name__ in units:
+            fully_shard(m, **kwargs)
+    fully_shard(hf, **kwargs)
+
+
+def broadcast_buffers(hf, device):
+    """Buffers are not in a state dict when non-persistent (rotary inv_freq): send rank 0's to the meta-built ranks."""
+    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    for m in hf.modules():
+        for name, buf in list(m._buffers.items()):
+            if buf is None:
+                continue
+            local = torch.empty(buf.shape, dtype=buf.dtype, device=comm) if buf.is_meta else buf.to(comm)
+            dist.broadcast(local, src=0)
+            m._buffers[name] = local.to(device)
+
+
+def vision_tower(hf):
+    body = getattr(hf, hf.base_model_prefix)
+    if "mm_encoder_outputs" not in inspect.signature(body.forward).parameters:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__}: {type(body).__name__}.forward takes no "
+                           "mm_encoder_outputs, which actor.py needs to run the vision tower in a fixed order "
+                           "(the same on every rank); install transformers>=5.18 (tested with 5.22.2 and 5.24.0)")
+    tower = getattr(body, "visual", None)
+    if tower is None:
+        raise ValueError(f"{type(hf).__name__} has no vision tower at .{hf.base_model_prefix}.visual; actor.py knows "
+                         "the Qwen2-VL, Qwen2.5-VL and Qwen3-VL layouts")
+    return tower
+
+
+def dummy_vision_input(hf):
+    """(pixel rows [16, dim], grid_thw [[1, 4, 4]], spatial merge size): the smallest valid image for the tower."""
+    dim = vision_tower(hf).patch_embed.proj.weight[0].numel()  # channels x temporal patch x patch x patch
+    return torch.zeros(16, dim), torch.tensor([[1, 4, 4]]), hf.config.vision_config.spatial_merge_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing and balancing
+# ----------------------------------------------------------------------------------------------
+
+def partition_balanced(lengths, k, equal_size=False):
+    """Split indices 0..len(lengths)-1 into k groups with near-equal sums of lengths: largest first, each
+    into the lightest group (that still has room, with equal_size: len(lengths) / k items per group).
+    Returns k lists of indices, each ascending; groups may be empty when k > len(lengths)."""
+    if k < 1:
+        raise ValueError(f"partition_balanced: k must be >= 1, got {k}")
+    if equal_size and len(lengths) % k:
+        raise ValueError(f"partition_balanced: {len(lengths)} items cannot be split into {k} equal groups")
+    capacity = len(lengths) // k if equal_size else len(lengths)
+    groups, sums = [[] for _ in range(k)], [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min((g for g in range(k) if len(groups[g]) < capacity), key=lambda g: (sums[g], len(groups[g]), g))
+        groups[g].append(i)
+        sums[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def shared_image_units(samples, lengths, budget):
+    """Sample indices in units to place whole: the samples that share one multi_modal_inputs dict (the n responses
+    of an image prompt) together, in runs of at most `budget` tokens; every other sample alone."""
+    units, unit_of = [], {}
+    for i, sample in enumerate(samples):
+        inputs = sample.get("multi_modal_inputs")
+        u = unit_of.get(id(inputs)) if inputs else None
+        if u is None or sum(lengths[j] for j in units[u]) + lengths[i] > budget:
+            units.append([])
+            u = len(units) - 1
+            if inputs:
+                unit_of[id(inputs)] = u
+        units[u].append(i)
+    return units
+
+
+def micro_batches_needed(lengths, budget):
+    """The fewest groups >= ceil(total / budget) whose balanced partition keeps every group of two or more
+    sequences within `budget` tokens (a longer single sequence gets a group of its own)."""
+    k = max(1, math.ceil(sum(lengths) / budget))
+    while k < len(lengths):
+        if all(sum(lengths[i] for i in g) <= budget or len(g) == 1 for g in partition_balanced(lengths, k)):
+            break
+        k += 1
+    return max(1, min(k, len(lengths)))
+
+
+def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id=None, merge=None):
+    """Samples -> one padding-free row. Returned tensors are on the CPU:
+
+        input_ids        [1, T]           prompt + response of every sample, back to back
+        position_ids     [4, 1, T] (VL) or [1, T] (text): each sample's prompt rows, continued over the
+                                          response at last + 1, last + 2, ... in every row
+        cu_seqlens       [n + 1] int32    sequence boundaries in the row;  max_seqlen: int
+        resp_index       [N]              row positions whose output predicts a response token (the one before it)
+        labels           [N]              the response tokens: shifted labels built per sequence, never across
+        resp_cu_seqlens  [n + 1] int32    each sample's response tokens in [N]
+        resp_lens, seq_lens  list[int];   mm: dict of multi-modal tensors concatenated in sample order
+        mm_order         {"image" / "video": [k]}   which encoded image (video) fills each one of the row, in
+                                          order: samples that share one multi_modal_inputs dict (the n responses
+                                          of a prompt) share its images, which are in `mm` and encoded once
+    """
+    names = names or [f"sample {i}" for i in range(len(samples))]
+    ids, positions, resp_index, labels, seq_lens, resp_lens, mm = [], [], [], [], [], [], {}
+    order, first = {"image": [], "video": []}, {}  # first: (id of a multi_modal_inputs dict, key) -> its first image
+    start = 0
+    for name, s in zip(names, samples):
+        prompt, response = list(s["prompt_ids"]), list(s["response_ids"])
+        if not prompt:
+            raise ValueError(f"pack_samples: {name} has an empty prompt")
+        pos = s.get("position_ids")
+        pos = torch.arange(len(prompt))[None] if pos is None else torch.as_tensor(pos).long()  # [R, P]
+        if pos.ndim != 2 or pos.shape[1] != len(prompt):
+            raise ValueError(f"pack_samples: {name}: position_ids has shape {tuple(pos.shape)}, expected "
+                             f"[rows, {len(prompt)}] (rows, prompt length)")
+        if is_vl and pos.shape[0] == 1:  # text-only row of a VL model: all four rows alike
+            pos = pos.expand(4, -1)
+        elif is_vl and pos.shape[0] == 3:  # mrope rows only: put the text row on top
+            pos = torch.cat([torch.arange(pos.shape[1])[None], pos])
+        if pos.shape[0] != (4 if is_vl else 1):
+            raise ValueError(f"pack_samples: {name}: position_ids has {pos.shape[0]} rows; a VL model takes 4 "
+                             "(text + t/h/w; 1 or 3 are completed), a text model 1")
+        steps = torch.arange(1, len(response) + 1)
+        positions.append(torch.cat([pos, pos[:, -1:] + steps], dim=1))  # [R, L]
+        inputs = s.get("multi_modal_inputs") or {}
+        for modality, token in (("image", image_token_id), ("video", video_token_id)):
+            _, key, grid = VISION_CALLS[modality]
+            expected = int((torch.as_tensor(inputs[grid]).prod(-1) // merge**2).sum()) if key in inputs else 0
+            if is_vl and (prompt.count(token) != expected or token in response):
+                raise ValueError(f"pack_samples: {name} has {prompt.count(token)} {key} placeholder tokens in its "
+                                 f"prompt (and {response.count(token)} in its response) for {expected} "
+                                 f"{key} features; expand the placeholders the way the processor does")
+            if key not in inputs:
+                continue
+            count = len(torch.as_tensor(inputs[grid]))
+            if (id(inputs), key) not in first:  # a new prompt's images: encoded once for all its samples here
+                first[id(inputs), key] = sum(len(g) for g in mm.get(grid, []))
+                for k in (key, grid):
+                    mm.setdefault(k, []).append(torch.as_tensor(inputs[k]))
+            order[modality] += range(first[id(inputs), key], first[id(inputs), key] + count)
+        ids += prompt + response
+        resp_index.append(torch.arange(start + len(prompt) - 1, start + len(prompt) + len(response) - 1))
+        labels += response
+        seq_lens.append(len(prompt) + len(response))
+        resp_lens.append(len(response))
+        start += seq_lens[-1]
+    position_ids = torch.cat(positions, dim=1)  # [R, T]
+    return {
+        "input_ids": torch.tensor([ids]),
+        "position_ids": position_ids[:, None] if is_vl else position_ids,
+        "cu_seqlens": _cumulative(seq_lens), "max_seqlen": max(seq_lens),
+        "resp_index": torch.cat(resp_index), "labels": torch.tensor(labels, dtype=torch.long),
+        "resp_cu_seqlens": _cumulative(resp_lens), "resp_lens": resp_lens, "seq_lens": seq_lens,
+        "mm": {k: torch.cat(v) for k, v in mm.items()}, "mm_order": order,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward: body, vision calls, response-only head
+# ----------------------------------------------------------------------------------------------
+
+def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
+    """Bound to the HF model as `packed_forward` (a registered FSDP2 forward method when sharded).
+    -> (logp [N], entropy [N] or [0]) of the response tokens of a packed batch.
+
+    Vision (VL models): one call per modality in `modalities`, always in the same order; a micro-batch
+    without that input runs the tower on a dummy and joins it as zero rows (see _as_zero_rows).
+    """
+    body = getattr(hf, hf.base_model_prefix)
+    kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                  packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
+    if modalities:
+        encoded = {}
+        for modality in modalities:
+            method, pixels, grid = VISION_CALLS[modality]
+            if pixels in batch["mm"]:
+                out = getattr(body, method)(batch["mm"][pixels], batch["mm"][grid], return_dict=True)
+                encoded[modality] = _repeat_images(out, batch["mm_order"][modality], len(batch["mm"][grid]))
+            else:
+                device = batch["input_ids"].device
+                out = getattr(body, method)(dummy_vision[0].to(device), dummy_vision[1].to(device), return_dict=True)
+                encoded[modality] = _as_zero_rows(out)
+        kwargs["mm_encoder_outputs"] = encoded
+    hidden = body(**kwargs).last_hidden_state[0]  # [T, H]
+    return response_log_probs(hidden.index_select(0, batch["resp_index"]), hf.get_output_embeddings(),
+                              batch["labels"], temperature, with_entropy)
+
+
+def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False, chunk=HEAD_CHUNK):
+    """hidden [N, H] (the states that predict the response tokens), labels [N] ->
+    (logp [N] fp32, entropy [N] fp32 or [0]), with z = lm_head(h) / temperature in fp32:
+
+        logp_t = z_t[y_t] - logsumexp(z_t)          entropy_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
+
+    Chunks of `chunk` rows, each under activation checkpointing when gradients are on, so at most one
+    [chunk, vocab] fp32 block exists at a time (forward and backward). Entropy carries no gradient.
+    """
+    def head(h, y):
+        z = lm_head(h).float() / temperature  # [c, V]
+        logz = torch.logsumexp(z, dim=-1)  # [c]
+        logp = z.gather(-1, y[:, None])[:, 0] - logz
+        with torch.no_grad():
+            ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else z.new_zeros(0)
+        return logp, ent
+
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        h, y = hidden[s:s + chunk], labels[s:s + chunk]
+        logp, ent = checkpoint(head, h, y, use_reentrant=False) if torch.is_grad_enabled() else head(h, y)
+        logps.append(logp)
+        ents.append(ent)
+    if not logps:  # no response tokens: keep the graph connected to the model
+        return hidden.sum(-1).float() * 0.0, hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(logps), torch.cat(ents)
+
+
+def _repeat_images(output, order, n_images):
+    """A vision output of n_images distinct images with its per-image tuples (pooler_output; Qwen3-VL's
+    deepstack_features, one tuple per layer) re-indexed by `order`, so an image shared by several samples of
+    the row is encoded once and still fills each sample's placeholders (its gradient sums over them)."""
+    if list(order) == list(range(n_images)):
+        return output
+
+    def pick(value):
+        if isinstance(value, (tuple, list)) and len(value) == n_images and all(torch.is_tensor(v) for v in value):
+            return tuple(value[i] for i in order)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(v, (tuple, list)) for v in value):
+            return [pick(v) for v in value]
+        return value
+
+    for key in list(output.keys()):
+        output[key] = pick(output[key])
+    return output
+
+
+def _as_zero_rows(output):
+    """A vision output with every tensor replaced by zero rows that still depend on the tower (x[:0] + 0 * sum):
+    merged into the text as nothing, yet the tower joins the backward like a real image would."""
+    leaves = []
+    for value in output.values():
+        _map_tensors(value, lambda t: leaves.append(t) or t)
+    zero = sum(t.float().sum() for t in leaves if t.is_floating_point()) * 0.0  # a 0-dim tensor
+    for key in list(output.keys()):
+        output[key] = _map_tensors(output[key], lambda t: t[:0] + zero.to(t.dtype) if t.is_floating_point() else t[:0])
+    return output
+
+
+def _map_tensors(x, fn):
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention: sequence-isolated varlen attention, registered with transformers
+# ----------------------------------------------------------------------------------------------
+
+def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function. query [1, Hq, T, D], key / value [1, Hkv, T, D] -> ([1, T, Hq, D], None).
+
+    Boundaries: the vision tower passes its own per-window / per-image `cu_seq_lens_q` (non-causal); the
+    text model gets packed_forward's `packed_cu_seqlens` / `packed_max_seqlen` through the forward kwargs.
+    Causality: `is_causal` when given, else module.is_causal.
+    """
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError("packed_attention: expects one packed row and no attention mask (it is the padding-free "
+                         "path of actor.py); use attn_implementation='sdpa' for padded batches")
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None:
+        cu, max_len = kwargs.get("packed_cu_seqlens"), kwargs.get("packed_max_seqlen")
+    if cu is None:
+        cu, max_len = torch.tensor([0, query.shape[2]], device=query.device), query.shape[2]
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    if torch.is_autocast_enabled(q.device.type):  # rotary embeddings promote q, k to the fp32 of master weights;
+        low = torch.get_autocast_dtype(q.device.type)  # the varlen kernels want the compute dtype (no O(T^2) mask)
+        q, k, v = q.to(low), k.to(low), v.to(low)
+    out = varlen_attention(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), causal, scaling)
+    return out[None], None
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
+    """q [T, Hq, D], k / v [T, Hkv, D], sequences at cu_seqlens [n + 1] -> [T, Hq, D]. Backends, logged once:
+    flash-attn varlen (CUDA, installed); torch varlen_attn (CUDA, bf16/fp16); else an exact block-diagonal
+    (causal) mask with scaled_dot_product_attention."""
+    if q.is_cuda and _kernel("flash") is not None:
+        _log_backend("flash-attn flash_attn_varlen_func")
+        return _kernel("flash")(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
+                                causal=causal)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _kernel("torch") is not None:
+        _log_backend("torch.nn.attention.varlen.varlen_attn")
+        fn = _kernel("torch")
+        params = inspect.signature(fn).parameters
+        kw = {"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0) if causal else (-1, -1)}
+        if k.shape[1] != q.shape[1] and "enable_gqa" in params:
+            kw["enable_gqa"] = True  # torch 2.11 took fewer KV heads without the flag
+        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
+    _log_backend("block-diagonal mask + scaled_dot_product_attention")
+    seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff())  # [T]
+    mask = seq[:, None] == seq[None, :]  # [T, T]
+    if causal:
+        mask = mask.tril()
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
+
+
+_KERNELS, _LOGGED = {}, set()
+
+
+def _kernel(name):
+    """flash-attn's flash_attn_varlen_func ("flash") or torch's varlen_attn ("torch"), imported once; None if absent."""
+    if name not in _KERNELS:
+        try:
+            if name == "flash":
+                from flash_attn import flash_attn_varlen_func as fn
+            else:
+                from torch.nn.attention.varlen import varlen_attn as fn
+        except ImportError:
+            fn = None
+        _KERNELS[name] = fn
+    return _KERNELS[name]
+
+
+def _log_backend(name):
+    if name not in _LOGGED:
+        _LOGGED.add(name)
+        logger.info("actor: attention backend %s", name)
+
+
+# ----------------------------------------------------------------------------------------------
+# A bf16 AdamW that loses no small step
+# ----------------------------------------------------------------------------------------------
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW for bf16 weights (optim.strategy=adamw_bf16, as EasyR1's AnyPrecisionAdamW): moments m, v and a
+    Kahan compensation c stored in bf16, arithmetic in fp32. Per parameter p, step t:
+
+        m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+        u = -lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd p) + c     the step plus what was lost before
+        s = p + u (fp32);   p = bf16(s);   c = s - p                           c: what this write-back lost
+
+    Without c, a step below half a bf16 spacing of p is lost: lr 1e-6 on weights of 0.02 (spacing 1.2e-4) moves
+    nothing; weight decay goes through c too. Works on FSDP2 shards: the arithmetic runs on local tensors, the
+    state stays DTensor (sharded checkpoints)."""
+
+    def __init__(self, params, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            (b1, b2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    for key in ("exp_avg", "exp_avg_sq", "compensation"):
+                        state[key] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["step"] += 1
+                t = state["step"].item()
+                x, g = _local(p), _local(p.grad).float()  # [shard]
+                m, v, c = (_local(state[k]) for k in ("exp_avg", "exp_avg_sq", "compensation"))
+                m32 = m.float().lerp_(g, 1 - b1)
+                v32 = v.float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                m.copy_(m32)
+                v.copy_(v32)
+                del g
+                u = m32.div_(v32.div_(1 - b2 ** t).sqrt_().add_(eps)).mul_(-lr / (1 - b1 ** t))
+                del v32
+                s = x.to(torch.float32, copy=True)
+                u.add_(s, alpha=-lr * wd).add_(c)
+                s.add_(u)
+                x.copy_(s)
+                c.copy_(s.sub_(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs, weights, devices
+# ----------------------------------------------------------------------------------------------
+
+def count_flops_params(hf, text_config):
+    """Parameter counts for the FLOP estimate: {"body": text parameters run on every token (the input embedding
+    is a lookup, not counted), "head": the LM head (vocab x hidden, also when tied to the embedding), "vision":
+    vision tower parameters (per patch), "attention": head_dim x heads x layers}."""
+    head = hf.get_output_embeddings().weight
+    body = vision = 0
+    for name, p in hf.named_parameters():
+        if ".visual." in f".{name}":
+            vision += p.numel()
+        elif "embed_tokens" not in name and p is not head:
+            body += p.numel()
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return {"body": body, "head": head.numel(), "vision": vision,
+            "attention": head_dim * heads * text_config.num_hidden_layers}
+
+
+def batch_flops(params, batch):
+    """Forward + backward FLOPs of a packed batch (recomputation not counted), with P the parameter counts of
+    count_flops_params, T the tokens, R the response tokens (the only ones the LM head runs on), L the
+    sequence lengths:  6 (P_body T + P_head R + P_vision patches) + 6 d h layers sum(L^2)  (causal attention:
+    QK^T and AV are 2 x 2 d h L^2 / 2 FLOPs forward per layer, backward twice that)."""
+    squares = sum(length * length for length in batch["seq_lens"])
+    patches = sum(v.shape[0] for k, v in batch["mm"].items() if k.startswith("pixel_values"))
+    return 6.0 * (params["body"] * sum(batch["seq_lens"]) + params["head"] * sum(batch["resp_lens"])
+                  + params["vision"] * patches + params["attention"] * squares)
+
+
+def peak_tflops(device):
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_TFLOPS:
+        if key in name:
+            return value
+    logger.warning("actor: unknown GPU %r for perf/mfu_actor; assuming 989 TFLOP/s", name)
+    return 989.0
+
+
+def full_tensor(t, device):
+    """A DTensor gathered to a full tensor (moved to `device` first: NCCL cannot gather CPU-offloaded shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to(device).full_tensor() if isinstance(t, DTensor) else t.to(device)
+
+
+def move_optimizer_state(optimizer, device):
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                state[key] = value.to(device)
+
+
+def to_device(value, device):
+    """Tensors, and dicts of them, moved to `device`; anything else as it is."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _cumulative(lengths):
+    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
