@@ -1,4 +1,5 @@
-"""trainer.py: the command line, the Ray workers and the GRPO loop. The only module that imports the stages.
+"""trainer.py: the command line, the GRPO loop, metrics, loggers and checkpoints. With workers.py, the only
+module that imports the stages.
 
     python trainer.py                                   # the offline toy default (configs/toy.yaml)
     python trainer.py --config configs/geo3k.yaml       # Qwen2.5-VL-7B on Geometry3K
@@ -8,34 +9,19 @@
 The config (EasyR1's sections and keys as dataclasses, YAML and `a.b.c=value` overrides, cross-key
 checks) is config.py; check_choices here checks the values each stage accepts against its own table.
 
-Differences from EasyR1 (and why):
-- Values are never copied between sections behind the reader's back: a stage that needs a value
-  from another section is handed it explicitly here.
-- No single-controller RPC layer and no DataProto: plain Ray actors, `ray.get([w.method.remote(shard)])`,
-  and lists of dicts that the driver splits (balanced by tokens, per mini-batch) and joins itself.
-- Rewards are computed on the driver from decoded strings (no reward actor, no images pickled to it);
-  `timing_s/reward` is the real time spent, where EasyR1 timed only the submission of an async call.
-- Online filtering also drops groups without spread (their GRPO advantages are all 0); EasyR1 kept an
-  all-wrong but well-formatted group whose mean passed the thresholds.
-- Rollout seeds mix (seed, step, rank): a fresh, reproducible stream every step.
-- Logs are appended on resume (EasyR1 truncated them), cut back to the checkpoint resumed from, so each
-  step's row is there once after any crash; the checkpoint tracker is written last and atomically, and a
-  resume checks every file of a checkpoint first, falling back to the newest complete one; checkpoints
-  resume on any number of workers; `save_model_only` checkpoints refuse to resume with a clear message.
-- The adaptive KL coefficient is saved and restored with the checkpoint.
+Run.train_step is the README's loop, a line or a short block per stage; workers.py, the Ray plumbing a first
+reading can skip, splits each call over the workers (each hosting actor.Actor, the reference and the rollout).
+The differences from EasyR1 are listed in README.md.
 """
 
 import argparse
-import copy
-import dataclasses
-import hashlib
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import sys
-import threading
 import time
 
 import torch
@@ -48,13 +34,12 @@ import data
 import reward
 import rollout
 from config import ConfigError, config_to_dict, load_config
+from workers import WorkerGroup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "configs", "toy.yaml")
 
-# ----------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------
+# --- The loop ---------------------------------------------------------------------------------
 
 def fit(cfg):
     """Train: steps, validation every val_freq steps, checkpoints every save_freq. Returns the last metrics."""
@@ -70,9 +55,8 @@ def fit(cfg):
 
 
 def training_steps(cfg, batches_per_epoch):
-    """trainer.max_steps, else the epochs' worth of steps, as EasyR1 counts them:
-    batches_per_epoch x mini_rollout_batch_size // rollout_batch_size x total_epochs (the loader's batches are
-    generation rounds of mini_rollout_batch_size prompts when that is set), else batches_per_epoch x total_epochs."""
+    """trainer.max_steps, else as EasyR1 counts: batches_per_epoch x total_epochs, where a batch is a generation
+    round of mini_rollout_batch_size prompts when set (then x mini_rollout_batch_size // rollout_batch_size)."""
     t, d = cfg.trainer, cfg.data
     if t.max_steps is not None:
         return t.max_steps
@@ -91,22 +75,21 @@ class Run:
     """Driver state: config, data, workers, loggers. Only plain lists and dicts cross to the workers."""
 
     def __init__(self, cfg):
-        self.cfg, t = cfg, cfg.trainer
+        self.cfg, t, d, a = cfg, cfg.trainer, cfg.data, cfg.algorithm
         _ensure_toy_world(cfg)
-        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or os.path.join("checkpoints", t.project_name, t.experiment_name))
+        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or os.path.join("checkpoints", t.project_name,
+                                                                                 t.experiment_name))
         os.makedirs(self.ckpt_root, exist_ok=True)
-        checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray starts
+        checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
-        model_path = cfg.worker.actor.model.model_path
-        tokenizer_path = cfg.worker.actor.model.tokenizer_path or model_path
-        remote = cfg.worker.actor.model.trust_remote_code
-        self.processor, self.tokenizer = data.load_processor(tokenizer_path, cfg.data, trust_remote_code=remote)
-        self.train_loader = data.PromptLoader(cfg.data.train_files, cfg.data, self.processor, model_path,
-                                              batch_size=cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
-                                              shuffle=cfg.data.shuffle, drop_last=True, trust_remote_code=remote)
-        self.val_loader = data.PromptLoader(cfg.data.val_files, cfg.data, self.processor, model_path,
-                                            batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False,
-                                            trust_remote_code=remote)
+        model_path, remote = cfg.worker.actor.model.model_path, cfg.worker.actor.model.trust_remote_code
+        self.processor, self.tokenizer = data.load_processor(cfg.worker.actor.model.tokenizer_path or model_path, d,
+                                                             trust_remote_code=remote)
+        self.train_loader = data.PromptLoader(d.train_files, d, self.processor, model_path, shuffle=d.shuffle,
+                                              batch_size=d.mini_rollout_batch_size or d.rollout_batch_size,
+                                              drop_last=True, trust_remote_code=remote)
+        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, model_path, batch_size=d.val_batch_size,
+                                            shuffle=False, drop_last=False, trust_remote_code=remote)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
         rw = cfg.worker.reward
@@ -114,8 +97,8 @@ class Run:
         if rw.reward_function in ("math", "r1v"):  # the built-ins that compare answers with a timeout
             kwargs.setdefault("timeout", rw.timeout)
         self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout, **kwargs)
-        self.kl_ctrl = (advantage.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
-                        if cfg.algorithm.kl_type == "adaptive" else advantage.FixedKLController(cfg.algorithm.kl_coef))
+        self.kl_ctrl = (advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
+                        else advantage.FixedKLController(a.kl_coef))
         self.training_steps = training_steps(cfg, self.train_loader.batches_per_epoch)
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
@@ -145,7 +128,8 @@ class Run:
             else:
                 self.logger.log(metrics, self.step)
             bar.update(1)
-            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in ("reward/overall", "val/reward_score") if k in metrics})
+            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in ("reward/overall", "val/reward_score")
+                             if k in metrics})
         bar.close()
         plot = self.logger.plot()
         print(f"done: metrics in {self.logger.jsonl_path}" + (f", plot in {plot}" if plot else "")
@@ -153,68 +137,36 @@ class Run:
         return metrics
 
     def train_step(self):
-        """One GRPO step: prompts -> sync -> generate -> reward -> filter -> log-probs -> advantages -> update."""
+        """One step, as the README's loop: sync, generate (score, filter), log-probs, KL, advantages, update."""
         cfg, metrics = self.cfg, {}
         with timer(metrics, "step"):
             with timer(metrics, "sync"):
                 self.workers.sync_weights()
             with timer(metrics, "gen"):
-                prompts, responses, scores, reward_metrics = self.make_batch(metrics)
+                prompts, responses, scores, reward_metrics = self.make_batch(metrics)  # generate, score, filter
+                greedy = self.greedy_rewards(prompts) if cfg.algorithm.adv_estimator == "remax" else None
+                self.workers.sleep()
             samples = [_sample(prompts[r["prompt_index"]], r) for r in responses]
             with timer(metrics, "old"):
-                old = self.workers.log_probs(samples, kind="old")
-            use_ref = not cfg.algorithm.disable_kl
-            if use_ref:
+                _attach(samples, "old_logprobs", self.workers.log_probs(samples, kind="old"))
+            if not cfg.algorithm.disable_kl:
                 with timer(metrics, "ref"):
-                    ref = self.workers.log_probs(samples, kind="ref")
+                    _attach(samples, "ref_logprobs", self.workers.log_probs(samples, kind="ref"))
             with timer(metrics, "adv"):
-                raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)  # [N] the reward function's
-                values, token_kl, beta = raw, None, self.kl_ctrl.value  # values: the rewards, minus beta x KL
-                lengths = [len(s["response_ids"]) for s in samples]
-                for sample, lp in zip(samples, old):
-                    sample["old_logprobs"] = lp
-                if use_ref:
-                    for sample, lp in zip(samples, ref):
-                        sample["ref_logprobs"] = lp
-                    if not cfg.algorithm.use_kl_loss:  # KL in the reward: kl_t = kl_penalty(old, ref) per token
-                        token_kl = [actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], cfg.algorithm.kl_penalty)
-                                    for s in samples]                                        # N x [L_i]
-                        kl = torch.tensor([float(k.sum()) for k in token_kl], dtype=torch.float64)  # [N]
-                        values = advantage.kl_in_reward(raw, kl, beta)
-                        current_kl = float((kl / torch.tensor(lengths).clamp(min=1)).mean())
-                        metrics.update({"actor/kl_penalty": current_kl, "actor/kl_coef": beta})
-                        self.kl_ctrl.update(current_kl, n_steps=len(samples))
-                uids, name = [s["uid"] for s in samples], cfg.algorithm.adv_estimator
-                baselines = None
-                if name == "remax":
-                    baselines = torch.tensor([self.greedy_reward[u] for u in uids], dtype=torch.float64)
-                adv = advantage.compute_advantages(name, raw, uids, baselines=baselines, lengths=lengths, token_kl=token_kl,
-                                                   kl_coef=beta, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-                per_token = name in advantage.TOKEN_LEVEL  # adv: N tensors [L_i], else [N]
-                for sample, a in zip(samples, adv if per_token else adv.tolist()):
-                    sample["advantage"] = a
-                # critic/score/* and adv/zero_std_group_frac from the raw scores; EasyR1's returns: the rewards-to-go
-                # for remax and REINFORCE++, the advantages themselves for the group estimators
-                if per_token:  # statistics over tokens, as EasyR1
-                    returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in advantage.token_rewards(raw, lengths, token_kl, beta)])
-                    metrics.update(advantage.advantage_metrics(raw, torch.stack([a.mean() for a in adv]), uids))
-                    metrics.update(_stats("critic/advantages", torch.cat(adv).tolist()))
-                else:
-                    returns = values if name == "remax" else adv
-                    metrics.update(advantage.advantage_metrics(raw, adv, uids))
-                metrics.update({**_stats("critic/rewards", values.tolist()), **_stats("critic/returns", returns.tolist())})
+                token_kl, beta = self.reward_kl(samples, metrics)
+                _attach(samples, "advantage", self.advantages(samples, scores, token_kl, beta, greedy, metrics))
             with timer(metrics, "update_actor"):
                 metrics.update(self.workers.update(samples))
         metrics.update(reward_metrics)
-        metrics.update(_batch_metrics(prompts, responses, samples, old, cfg, metrics))
+        metrics.update(_batch_metrics(prompts, responses, samples, cfg, metrics))
         return metrics
 
     def make_batch(self, metrics):
-        """Generate until `rollout_batch_size` groups are kept (online filtering) or one round without it."""
+        """Generate and score rounds of prompts until `rollout_batch_size` groups are kept (online filtering), or
+        one round without filtering. -> (prompts, responses, scores, reward/* means over all rounds' responses)."""
         cfg, a = self.cfg, self.cfg.algorithm
         want, n = cfg.data.rollout_batch_size, cfg.worker.rollout.n
         kept_prompts, kept_responses, kept_scores, all_scores = [], [], [], []
-        self.greedy_reward = {}  # ReMax baselines of this step's prompts
         rounds = 0
         while len(kept_prompts) < want:
             rounds += 1
@@ -226,66 +178,96 @@ class Run:
             prompts = next(self.train_iter)
             for i, p in enumerate(prompts):
                 p["uid"] = f"{self.step}-{rounds}-{i}"
-            responses = self.workers.generate(prompts, self.sampling(), step=self.step * 1000 + rounds)
+            responses = self.workers.generate(prompts, self.sampling((self.step, rounds)))
             with timer(metrics, "reward"):
                 scores = self.score(prompts, responses)
             all_scores += scores
-            if a.adv_estimator == "remax":
-                greedy = self.workers.generate(prompts, {**self.sampling(), "temperature": 0.0, "n": 1}, step=self.step)
-                for p, s in zip(prompts, self.score(prompts, greedy)):
-                    self.greedy_reward[p["uid"]] = s["overall"]
-            if a.online_filtering:
+            keep = {p["uid"] for p in prompts}
+            if a.online_filtering:  # flat groups go only where their advantages would all be 0
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in scores], [r["uid"] for r in responses],
                                                 low=a.filter_low, high=a.filter_high,
                                                 require_spread=a.adv_estimator in advantage.ZERO_WHEN_FLAT)
-            else:
-                keep = {p["uid"] for p in prompts}
-            index = {}
-            for i, p in enumerate(prompts):
-                if p["uid"] in keep and len(kept_prompts) < want:
-                    index[i] = len(kept_prompts)
-                    kept_prompts.append(p)
-            for r, s in zip(responses, scores):
-                if r["prompt_index"] in index:
-                    kept_responses.append({**r, "prompt_index": index[r["prompt_index"]]})
-                    kept_scores.append(s)
-        self.workers.sleep()
+            kept = [i for i, p in enumerate(prompts) if p["uid"] in keep][:want - len(kept_prompts)]
+            index = {i: len(kept_prompts) + j for j, i in enumerate(kept)}  # prompt index: in this round -> kept
+            kept_prompts += [prompts[i] for i in kept]
+            kept_responses += [{**r, "prompt_index": index[r["prompt_index"]]} for r in responses
+                               if r["prompt_index"] in index]
+            kept_scores += [s for r, s in zip(responses, scores) if r["prompt_index"] in index]
         metrics["filter/rounds"] = rounds
         reward_metrics = {f"reward/{k}": sum(s[k] for s in all_scores) / len(all_scores) for k in all_scores[0]}
         assert len(kept_responses) == want * n
         return kept_prompts, kept_responses, kept_scores, reward_metrics
 
-    def sampling(self, override=None):
-        """rollout's sampling settings (val_override_config applied and checked) + max_tokens and base seed."""
-        settings = rollout.sampling_settings(self.cfg.worker.rollout, override)
-        return {**settings, "max_tokens": self.cfg.data.max_response_length, "seed": self.cfg.worker.rollout.seed}
+    def greedy_rewards(self, prompts):
+        """ReMax's baseline: {uid: the reward of the prompt's greedy response} (temperature 0, one response each)."""
+        greedy = self.workers.generate(prompts, {**self.sampling((self.step, "greedy")), "temperature": 0.0, "n": 1})
+        return {p["uid"]: s["overall"] for p, s in zip(prompts, self.score(prompts, greedy))}
+
+    def reward_kl(self, samples, metrics):
+        """KL in the reward (use_kl_loss false): -> (token_kl, beta), kl_t = kl_penalty(old_t, ref_t) per response
+        token (N x [L_i]; None without KL in the reward) and its weight this step; the controller then moves beta by
+        the step's KL, the mean over responses of sum_t kl_t / L_i (actor/kl_penalty)."""
+        a, beta = self.cfg.algorithm, self.kl_ctrl.value
+        if a.disable_kl or a.use_kl_loss:
+            return None, beta
+        token_kl = [actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], a.kl_penalty) for s in samples]
+        kl = torch.tensor([float(k.sum()) for k in token_kl], dtype=torch.float64)                  # [N]
+        current_kl = float((kl / torch.tensor([len(s["response_ids"]) for s in samples]).clamp(min=1)).mean())
+        metrics.update({"actor/kl_penalty": current_kl, "actor/kl_coef": beta})
+        self.kl_ctrl.update(current_kl, n_steps=len(samples))
+        return token_kl, beta
+
+    def advantages(self, samples, scores, token_kl, beta, greedy, metrics):
+        """algorithm.adv_estimator's advantages (advantage.py): a float per response, or an [L_i] tensor for the
+        TOKEN_LEVEL estimators; greedy: ReMax's baselines by uid. Logs critic/score/* and adv/zero_std_group_frac
+        from the raw scores, critic/rewards/* after the KL, and EasyR1's critic/returns/*: the rewards-to-go for
+        remax and REINFORCE++, the advantages themselves for the group estimators."""
+        a, uids, lengths = self.cfg.algorithm, [s["uid"] for s in samples], [len(s["response_ids"]) for s in samples]
+        raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)                    # [N]
+        rewards = raw if token_kl is None else advantage.kl_in_reward(raw, [float(k.sum()) for k in token_kl], beta)
+        baselines = None if greedy is None else torch.tensor([greedy[u] for u in uids], dtype=torch.float64)
+        adv = advantage.compute_advantages(a.adv_estimator, raw, uids, baselines=baselines, lengths=lengths,
+                                           token_kl=token_kl, kl_coef=beta, norm_by_std=a.norm_adv_by_std_in_grpo)
+        if a.adv_estimator in advantage.TOKEN_LEVEL:  # adv: N tensors [L_i]; statistics over tokens, as EasyR1
+            token_rewards = advantage.token_rewards(raw, lengths, token_kl, beta)                     # N x [L_i]
+            returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in token_rewards])
+            metrics.update(advantage.advantage_metrics(raw, torch.stack([x.mean() for x in adv]), uids))
+            metrics.update(_stats("critic/advantages", torch.cat(adv).tolist()))
+        else:  # adv: [N]
+            returns = rewards if a.adv_estimator == "remax" else adv
+            metrics.update(advantage.advantage_metrics(raw, adv, uids))
+        metrics.update({**_stats("critic/rewards", rewards.tolist()), **_stats("critic/returns", returns.tolist())})
+        return adv if a.adv_estimator in advantage.TOKEN_LEVEL else adv.tolist()
+
+    def sampling(self, key, override=None):
+        """rollout's sampling settings (override: val_override_config, checked there), max_tokens, and this
+        generation's seed, rollout.derive_seed(worker.rollout.seed, *key): key names the step and round (each worker
+        mixes in its rank), so every round draws fresh streams, reproducibly."""
+        r = self.cfg.worker.rollout
+        return {**rollout.sampling_settings(r, override), "max_tokens": self.cfg.data.max_response_length,
+                "seed": rollout.derive_seed(r.seed, *key)}
 
     def score(self, prompts, responses):
         """Decode and score every response on the driver (strings in, dicts of floats out)."""
-        skip = self.cfg.worker.reward.skip_special_tokens
-        inputs = []
-        for r in responses:
-            p = prompts[r["prompt_index"]]
-            inputs.append({"response": self.tokenizer.decode(r["response_ids"], skip_special_tokens=skip),
-                           "response_length": len(r["response_ids"]), "ground_truth": p["ground_truth"],
-                           "prompt": p["prompt_text"], "extra": p.get("extra", {})})
-        return self.reward_fn(inputs)
+        skip, pairs = self.cfg.worker.reward.skip_special_tokens, [(r, prompts[r["prompt_index"]]) for r in responses]
+        return self.reward_fn([{"response": self.tokenizer.decode(r["response_ids"], skip_special_tokens=skip),
+                                "response_length": len(r["response_ids"]), "ground_truth": p["ground_truth"],
+                                "prompt": p["prompt_text"], "extra": p.get("extra", {})} for r, p in pairs])
 
     def validate(self):
         cfg = self.cfg
-        sampling = self.sampling(cfg.worker.rollout.val_override_config)
+        sampling = self.sampling(("validation",), cfg.worker.rollout.val_override_config)
         self.workers.sync_weights()
         scores, lengths, logged = [], [], []
         for prompts in self.val_loader.epoch():
-            responses = self.workers.generate(prompts, sampling, step=-1)
+            responses = self.workers.generate(prompts, sampling)
             batch_scores = self.score(prompts, responses)
             scores += batch_scores
             lengths += [len(r["response_ids"]) for r in responses]
-            for r, s in zip(responses, batch_scores):
-                if len(logged) < cfg.trainer.val_generations_to_log:
-                    p = prompts[r["prompt_index"]]
-                    logged.append({"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
-                                   "ground_truth": p["ground_truth"], "score": s["overall"]})
+            for r, s in list(zip(responses, batch_scores))[:cfg.trainer.val_generations_to_log - len(logged)]:
+                p = prompts[r["prompt_index"]]
+                logged.append({"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
+                               "ground_truth": p["ground_truth"], "score": s["overall"]})
         self.workers.sleep()
         metrics = {f"val/{k}_reward": sum(s[k] for s in scores) / len(scores) for k in scores[0]}
         metrics["val/reward_score"] = metrics["val/overall_reward"]
@@ -293,17 +275,14 @@ class Run:
         self.logger.log_generations(logged, self.step)
         return metrics
 
-    # --- checkpoints ---------------------------------------------------------------------------
-
     def save_checkpoint(self, metrics):
         """Write global_step_N/ (actor/, dataloader.pt), then log the step's row (`metrics`), then trainer_state.json
         with the log's size, then the tracker naming N; then remove old checkpoints.
 
         Why this order: a checkpoint is used only once trainer_state.json is written (see _checkpoint_problem), and
-        the tracker, written last and atomically, names it only after that. The log is then an exact record:
-        the step's row is on disk before its checkpoint is complete, and a resume cuts the log back to the size
-        saved with the checkpoint it resumes from (Logger.rewind), dropping the rows of the steps that run again.
-        So after a kill at any point and a resume, the log holds each step's row exactly once, in order.
+        the tracker, written last and atomically, names it only after that. The step's row is on disk before its
+        checkpoint is complete, and a resume cuts the log back to the size saved with the checkpoint it resumes from
+        (Logger.rewind). So after a kill at any point and a resume, the log holds each step's row once, in order.
         """
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
@@ -311,12 +290,12 @@ class Run:
             shutil.rmtree(path, ignore_errors=True)  # left by a run that stopped while saving this step
             self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
             torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
-        val_score = metrics.get("val/reward_score")
-        if val_score is not None and (self.best["best_val_reward_score"] is None or val_score > self.best["best_val_reward_score"]):
+        val_score, best = metrics.get("val/reward_score"), self.best["best_val_reward_score"]
+        if val_score is not None and (best is None or val_score > best):
             self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
         self.logger.log(metrics, self.step)
-        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only, **self.best,
-                 "log_sizes": self.logger.sizes()}
+        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only,
+                 **self.best, "log_sizes": self.logger.sizes()}
         _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
         _write_json_atomic(os.path.join(self.ckpt_root, TRACKER), {"last_global_step": self.step, **self.best})
         _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
@@ -324,7 +303,6 @@ class Run:
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
         t = self.cfg.trainer
-        self.greedy_reward = {}
         if path is None:
             self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # rows of an earlier attempt: those steps run again
             self.train_iter = iter(self.train_loader)
@@ -351,223 +329,7 @@ class Run:
         self.workers.shutdown()
 
 
-# ----------------------------------------------------------------------------------------------
-# Workers: one Ray actor per GPU (per process on CPU), each hosting actor + reference + rollout
-# ----------------------------------------------------------------------------------------------
-
-try:  # Ray is needed to train, not to read or check a config
-    import ray
-except ImportError:  # pragma: no cover
-    ray = None
-
-
-class Worker:
-    """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
-
-    def setup(self, cfg, rank, world_size, master, device, training_steps):
-        import torch.distributed as dist
-
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
-                           "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
-        if device == "cpu":
-            torch.set_num_threads(max(1, _usable_cpus() // world_size))
-        self.memory = {}  # phase -> peak GiB in use on the device, reported with the update
-        if world_size > 1 and not dist.is_initialized():
-            offload = device == "cuda" and cfg.worker.actor.fsdp.enable_cpu_offload  # CPU gradients: gloo reduces
-            backend = "cuda:nccl,cpu:gloo" if offload else "nccl" if device == "cuda" else "gloo"  # their norm
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
-        a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
-        common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length,
-                      max_response_length=d.max_response_length, n_per_prompt=r.n, training_steps=training_steps,
-                      use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
-                      kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
-        self.actor = actor.Actor(a, role="actor", **common)
-        needs_ref = not cfg.algorithm.disable_kl
-        ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
-        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
-        r = copy.copy(r)
-        r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
-        self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
-                                            max_response_length=d.max_response_length, device=device,
-                                            tokenizer_path=a.model.tokenizer_path)
-        self.rank = rank
-        return True
-
-    def sync_weights(self):
-        with device_peak(self.memory, "sync"):
-            self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
-            self.rollout.wake_up()  # then the KV cache
-
-    def generate(self, prompts, sampling, step):  # also with no prompts: a TP peer may be waiting to gather
-        seed = _mix_seed(sampling["seed"], step, self.rank)  # a fresh stream per step and rank, reproducible
-        with device_peak(self.memory, "gen"):
-            return self.rollout.generate(prompts, **{**sampling, "seed": seed})
-
-    def sleep(self):
-        self.rollout.sleep()
-
-    def log_probs(self, samples, kind):
-        with device_peak(self.memory, kind):
-            if kind == "ref":
-                return self.ref.compute_log_probs(samples) if self.ref else self.actor.compute_log_probs(samples, disable_adapter=True)
-            return self.actor.compute_log_probs(samples)
-
-    def update(self, samples):
-        with device_peak(self.memory, "update"):
-            metrics = self.actor.update(samples)
-        metrics.update({f"perf/peak_device_memory_gb/{phase}": gib for phase, gib in self.memory.items()})
-        self.memory.clear()
-        return metrics
-
-    def save(self, path, model_only):
-        self.actor.onload(optimizer=True)  # offloaded state is saved and loaded on the device, as in EasyR1
-        self.actor.save_checkpoint(path, model_only=model_only)
-        self.actor.offload()
-
-    def load(self, path):
-        self.actor.onload(optimizer=True)
-        self.actor.load_checkpoint(path)
-        self.actor.offload()
-
-    def address(self):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
-class WorkerGroup:
-    """The driver's handle on the workers: splits lists, calls every worker, joins the results."""
-
-    def __init__(self, cfg, training_steps):
-        t = cfg.trainer
-        self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-        self.world = t.nnodes * t.n_gpus_per_node
-        self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
-        self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
-        if not ray.is_initialized():
-            kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
-            if "RAY_ADDRESS" in os.environ or _ray_cluster_running():
-                ray.init(**kwargs)  # the user's cluster
-            else:
-                _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
-        gpu = 1 if self.device == "cuda" else 0
-        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=600)
-        remote = ray.remote(Worker)
-        self.workers = [remote.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=ray.util.scheduling_strategies.
-                                       PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
-                        for i in range(self.world)]
-        master = self._get([self.workers[0].address.remote()], "start")[0]
-        self._get([w.setup.remote(cfg, i, self.world, master, self.device, training_steps)
-                   for i, w in enumerate(self.workers)], "setup")
-
-    def _get(self, refs, what):
-        """ray.get that turns a dead or failing worker into one clear error instead of a hang."""
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a worker died during {what}: {e}") from None
-        except ray.exceptions.RayTaskError as e:
-            raise RuntimeError(f"a worker failed during {what}:\n{e}") from None
-
-    def sync_weights(self):
-        self._get([w.sync_weights.remote() for w in self.workers], "weight sync")
-
-    def sleep(self):
-        self._get([w.sleep.remote() for w in self.workers], "rollout sleep")
-
-    def generate(self, prompts, sampling, step):
-        """Split prompts over all ranks, each its own share. The ranks of a tensor-parallel group hand their
-        shares to one vLLM engine (rollout.py gathers them), which generates each prompt n times, once."""
-        refs = [w.generate.remote(prompts[i::self.world], sampling, step) for i, w in enumerate(self.workers)]
-        outs = self._get(refs, "generation")
-        by_prompt = {}
-        for rank, out in enumerate(outs):
-            for r in out:
-                index = r["prompt_index"] * self.world + rank  # rank i holds prompts i, i + world, ...
-                by_prompt.setdefault(index, []).append({**r, "prompt_index": index})
-        return [r for i in range(len(prompts)) for r in by_prompt.get(i, [])]
-
-    def shard(self, samples):
-        """Per mini-batch, balance samples across ranks by tokens, as many on each; a prompt's responses stay on one
-        rank when the groups divide evenly (its image is then encoded once). -> (per-rank lists, per-rank indices)."""
-        lists, indices = [[] for _ in range(self.world)], [[] for _ in range(self.world)]
-        for start in range(0, len(samples), self.mini_batch):
-            chunk = list(range(start, min(start + self.mini_batch, len(samples))))
-            groups = {}
-            for i in chunk:
-                groups.setdefault(samples[i]["uid"], []).append(i)
-            units = list(groups.values())
-            if len(units) % self.world or len({len(u) for u in units}) > 1:
-                units = [[i] for i in chunk]
-            lengths = [sum(len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in u) for u in units]
-            for rank, part in enumerate(actor.partition_balanced(lengths, self.world, equal_size=True)):
-                indices[rank] += [i for j in part for i in units[j]]
-                lists[rank] += [samples[i] for j in part for i in units[j]]
-        return lists, indices
-
-    def log_probs(self, samples, kind):
-        lists, indices = self.shard(samples)
-        outs = self._get([w.log_probs.remote(l, kind) for w, l in zip(self.workers, lists)], f"{kind} log-probs")
-        result = [None] * len(samples)
-        for idx, out in zip(indices, outs):
-            for i, lp in zip(idx, out):
-                result[i] = lp
-        return result
-
-    def update(self, samples):
-        lists, _ = self.shard(samples)
-        outs = self._get([w.update.remote(l) for w, l in zip(self.workers, lists)], "actor update")
-        return {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
-
-    def save(self, path, model_only):
-        self._get([w.save.remote(path, model_only) for w in self.workers], "checkpoint save")
-
-    def load(self, path):
-        self._get([w.load.remote(path) for w in self.workers], "checkpoint load")
-
-    def shutdown(self):
-        for w in getattr(self, "workers", []):
-            ray.kill(w)
-        if getattr(self, "pg", None) is not None:
-            ray.util.remove_placement_group(self.pg)
-
-
-def _worker_env():
-    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
-           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
-    for key in ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    return env
-
-
-def _ray_cluster_running():
-    """True when `ray start --head` runs on this machine (ray.init() then joins it, as in EasyR1)."""
-    return os.path.exists("/tmp/ray/ray_current_cluster")
-
-
-def _start_local_ray(**kwargs):
-    """ray.init of a one-machine Ray whose processes listen on 127.0.0.1 only. Ray 2.x listens on every interface
-    unless the node address is 127.0.0.1, and ray.init replaces a 127.0.0.1 `_node_ip_address` with the machine's
-    address unless its single-machine switch (ray_constants.ENABLE_RAY_CLUSTER, what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-    sets) is off: it is turned off around the call, and the Ray processes get 127.0.0.1 as their address."""
-    from ray._private import ray_constants
-
-    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    try:
-        ray.init(_node_ip_address="127.0.0.1", **kwargs)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
-# ----------------------------------------------------------------------------------------------
-# Metrics, logging, checkpoints: helpers of the loop
-# ----------------------------------------------------------------------------------------------
+# --- Metrics, logging, checkpoints: helpers of the loop ----------------------------------------
 
 TRACKER = "checkpoint_tracker.json"
 LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
@@ -580,15 +342,16 @@ def _sample(prompt, response):
             "rollout_logprobs": torch.tensor(response["logprobs"], dtype=torch.float32)}
 
 
-def _batch_metrics(prompts, responses, samples, old, cfg, metrics):
+def _batch_metrics(prompts, responses, samples, cfg, metrics):
     """Lengths, rollout-vs-actor log-prob gap, throughput and timing per token (EasyR1's metrics.py: gen and
     reward per response token, the passes over the batch per prompt + response token)."""
     lengths = [len(r["response_ids"]) for r in responses]
     out = _stats("response_length", lengths)
     out["response_length/clip_ratio"] = sum(r["finish_reason"] == "length" for r in responses) / len(responses)
     out.update(_stats("prompt_length", [len(p["prompt_ids"]) for p in prompts]))
-    out["prompt_length/clip_ratio"] = sum(len(p["prompt_ids"]) >= cfg.data.max_prompt_length for p in prompts) / len(prompts)
-    diffs = torch.cat([(s["rollout_logprobs"] - lp.float()).abs() for s, lp in zip(samples, old) if len(lp)])
+    out["prompt_length/clip_ratio"] = sum(len(p["prompt_ids"]) >= cfg.data.max_prompt_length
+                                          for p in prompts) / len(prompts)
+    diffs = torch.cat([(s["rollout_logprobs"] - s["old_logprobs"].float()).abs() for s in samples])
     if len(diffs):  # a broken weight sync shows up here first
         out.update({"rollout/logp_diff_mean": diffs.mean().item(), "rollout/logp_diff_max": diffs.max().item()})
     tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
@@ -602,59 +365,30 @@ def _batch_metrics(prompts, responses, samples, old, cfg, metrics):
     return out
 
 
+def _attach(samples, key, values):
+    for sample, value in zip(samples, values):
+        sample[key] = value
+
+
 def _stats(prefix, values):
     return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
 
 
-class timer:
-    """with timer(metrics, "gen"): ... adds metrics["timing_s/gen"] (wall seconds of the real wait)."""
-
-    def __init__(self, metrics, name):
-        self.metrics, self.name = metrics, f"timing_s/{name}"
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.metrics[self.name] = self.metrics.get(self.name, 0.0) + time.perf_counter() - self.start
+@contextlib.contextmanager
+def timer(metrics, name):
+    """with timer(metrics, "gen"): ... adds to metrics["timing_s/gen"] the wall seconds of the block."""
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
 LOGGERS = {"console": None, "file": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
            "swanlab": "swanlab"}  # trainer.logger entries -> the package each needs
 
 
-class device_peak:
-    """with device_peak(memory, "gen"): ... keeps in memory["gen"] the most GiB in use on this process's GPU while
-    the block ran, from the device itself (cudaMemGetInfo, polled every 5 ms: every process and allocator, vLLM's
-    pool included; torch's max_memory_allocated counts vLLM's pool but not what it frees). No-op on the CPU."""
-
-    def __init__(self, memory, name):
-        self.memory, self.name, self.done, self.peak = memory, name, threading.Event(), 0
-
-    def __enter__(self):
-        if torch.cuda.is_available():
-            device = torch.cuda.current_device()
-            self.thread = threading.Thread(target=self._poll, args=(device,), daemon=True)
-            self.thread.start()
-
-    def _poll(self, device):
-        while True:
-            free, total = torch.cuda.mem_get_info(device)
-            self.peak = max(self.peak, total - free)
-            if self.done.wait(0.005):
-                return
-
-    def __exit__(self, *exc):
-        if torch.cuda.is_available():
-            self.done.set()
-            self.thread.join()
-            self.memory[self.name] = max(self.memory.get(self.name, 0.0), self.peak / 2**30)
-
-
 class Logger:
-    """Console (progress bar + a line per step), JSONL (always, appended); TensorBoard, W&B, MLflow and SwanLab
-    when asked (as EasyR1: mlflow.start_run(experiment_name) + log_params of the flat config; swanlab.init with
-    SWANLAB_API_KEY, SWANLAB_DIR and SWANLAB_MODE from the environment)."""
+    """Console (progress bar, a line per step), JSONL (always, appended), and TensorBoard, W&B, MLflow, SwanLab when
+    asked, as EasyR1 calls them (SwanLab reads SWANLAB_API_KEY, SWANLAB_DIR and SWANLAB_MODE)."""
 
     def __init__(self, root, names, cfg):
         for name in names:  # before anything is written: a missing package is a one-line error
@@ -665,32 +399,31 @@ class Logger:
         self.jsonl_path = os.path.join(root, "experiment_log.jsonl")
         self.jsonl = open(self.jsonl_path, "a")  # appended on resume; rows after the checkpoint dropped (rewind)
         self.generations = open(os.path.join(root, "generations.log"), "a")
-        _write_json_atomic(os.path.join(root, "experiment_config.json"), config_to_dict(cfg))
-        self.tb = self.wandb = self.mlflow = self.swanlab = None
         t, config = cfg.trainer, config_to_dict(cfg)
+        _write_json_atomic(os.path.join(root, "experiment_config.json"), config)
+        self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(root, "tensorboard"))
+            tb = SummaryWriter(os.path.join(root, "tensorboard"))
+            self.sinks.append((lambda m, step: [tb.add_scalar(k, v, step) for k, v in m.items()], tb.close))
         if "wandb" in names:
             import wandb
-
-            self.wandb = wandb.init(project=t.project_name, name=t.experiment_name, config=config, resume="allow")
+            run = wandb.init(project=t.project_name, name=t.experiment_name, config=config, resume="allow")
+            self.sinks.append((lambda m, step: run.log(m, step=step), run.finish))
         if "mlflow" in names:
             import mlflow
-
-            self.mlflow = mlflow
+            import pandas
             mlflow.start_run(run_name=t.experiment_name)
-            mlflow.log_params(dict(_flatten(config)))
+            mlflow.log_params(pandas.json_normalize(config).to_dict("records")[0])  # one parameter per dotted key
+            self.sinks.append((lambda m, step: mlflow.log_metrics(m, step=step), mlflow.end_run))
         if "swanlab" in names:
             import swanlab
-
-            self.swanlab = swanlab
             if os.environ.get("SWANLAB_API_KEY"):
                 swanlab.login(os.environ["SWANLAB_API_KEY"])
             swanlab.init(project=t.project_name, experiment_name=t.experiment_name, config=config,
                          logdir=os.environ.get("SWANLAB_DIR", os.path.join(root, "swanlab")),
                          mode=os.environ.get("SWANLAB_MODE", "cloud"))
+            self.sinks.append((lambda m, step: swanlab.log(m, step=step), swanlab.finish))
 
     def log(self, metrics, step, amend=False):
         """One row per step in experiment_log.jsonl. amend: merge into the last row when it is `step`'s (a resumed
@@ -702,12 +435,8 @@ class Logger:
                 lines = f.readlines()
         if lines and lines[-1].endswith("\n") and json.loads(lines[-1]).get("step") == step:
             lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics}) + "\n"
-            with open(self.jsonl_path + ".tmp", "w") as f:
-                f.writelines(lines)
-                f.flush()
-                os.fsync(f.fileno())
             self.jsonl.close()
-            os.replace(self.jsonl_path + ".tmp", self.jsonl_path)
+            _write_atomic(self.jsonl_path, "".join(lines))
             self.jsonl = open(self.jsonl_path, "a")
         else:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -716,15 +445,8 @@ class Logger:
             keys = [k for k in ("reward/overall", "val/reward_score", "actor/pg_loss", "actor/entropy",
                                 "response_length/mean", "timing_s/step") if k in metrics]
             tqdm.write(f"step {step}: " + "  ".join(f"{k}={metrics[k]:.4g}" for k in keys))
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-        if self.mlflow:
-            self.mlflow.log_metrics(metrics, step=step)
-        if self.swanlab:
-            self.swanlab.log(metrics, step=step)
+        for log, _ in self.sinks:
+            log(metrics, step)
 
     def sizes(self):
         """{file name: bytes} of the LOG_FILES, flushed to disk: saved with each checkpoint for rewind."""
@@ -790,21 +512,20 @@ class Logger:
     def close(self):
         self.jsonl.close()
         self.generations.close()
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
-        if self.mlflow:
-            self.mlflow.end_run()
-        if self.swanlab:
-            self.swanlab.finish()
+        for _, close in self.sinks:
+            close()
 
 
 def _write_json_atomic(path, obj):
+    _write_atomic(path, json.dumps(obj, indent=2))
+
+
+def _write_atomic(path, text):
+    """Write `text` to a temporary file, flush it to disk, then rename it over `path`: `path` is whole or old."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -815,16 +536,14 @@ class CheckpointError(RuntimeError):
 
 
 def _find_checkpoint(root, load_path, find_last):
-    """The global_step_N folder a run resumes from, or None for a fresh start. Reads files only (no Ray, no model).
-
-    An explicit `load_path` (trainer.load_checkpoint_path) must be complete. Otherwise, with `find_last`, the
-    tracker in `root` names the last checkpoint; when that one is incomplete (see _checkpoint_problem), the newest
-    complete one before it is used and the run says so. An unreadable tracker is reported and the newest complete
-    global_step_N folder is used. No tracker: a fresh start. A tracker but no complete checkpoint: an error.
-    """
+    """The global_step_N folder a run resumes from, or None for a fresh start; reads files only (no Ray, no model).
+    An explicit `load_path` must be complete. Otherwise, with `find_last`, the tracker in `root` names the last
+    checkpoint; if that one is incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one
+    is used and the run says so. No tracker: a fresh start. A tracker but no complete checkpoint: an error."""
     if load_path is not None:
         if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
-            raise CheckpointError(f"trainer.load_checkpoint_path={load_path!r} must be an existing global_step_N folder")
+            raise CheckpointError(f"trainer.load_checkpoint_path={load_path!r} must be an existing global_step_N "
+                                  f"folder")
         problem = _checkpoint_problem(load_path)
         if problem:
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
@@ -832,7 +551,7 @@ def _find_checkpoint(root, load_path, find_last):
     tracker = os.path.join(root, TRACKER)
     if not find_last or not os.path.exists(tracker):
         return None
-    steps = sorted((int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n))), reverse=True)
+    steps = _saved_steps(root)[::-1]
     problems = []
     try:
         with open(tracker) as f:
@@ -848,7 +567,8 @@ def _find_checkpoint(root, load_path, find_last):
         problem = _checkpoint_problem(path)
         if problem is None:
             if problems:
-                print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
+                print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}",
+                      flush=True)
             return path
         problems.append(f"global_step_{step}: {problem}")
     raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
@@ -857,9 +577,8 @@ def _find_checkpoint(root, load_path, find_last):
 
 
 def _checkpoint_problem(path):
-    """None when the folder holds every file a resume reads, else what is wrong, in words. Reads: trainer_state.json
-    (resumable), dataloader.pt and actor/extra_state.pt (loaded), and the DCP folders actor/model and actor/optim
-    (their .metadata read, every shard file it names present and long enough)."""
+    """None when the folder holds every file a resume reads, else what is wrong, in words: trainer_state.json,
+    dataloader.pt and actor/extra_state.pt load; actor/model and actor/optim hold every shard their .metadata names."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -896,11 +615,16 @@ def _checkpoint_problem(path):
     return None
 
 
+def _saved_steps(root):
+    """The N of every global_step_N folder in `root`, ascending."""
+    return sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n)))
+
+
 def _remove_old_checkpoints(root, step, best_step, limit):
     """Keep the newest `limit` checkpoints (the best by validation counts toward them and is never removed)."""
     if limit <= 0:
         return
-    steps = sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n)))
+    steps = _saved_steps(root)
     keep = {step} | ({best_step} if best_step is not None else set())
     for s in reversed(steps):
         if len(keep) >= limit:
@@ -911,32 +635,17 @@ def _remove_old_checkpoints(root, step, best_step, limit):
             shutil.rmtree(os.path.join(root, f"global_step_{s}"), ignore_errors=True)
 
 
-def _mix_seed(seed, step, rank):
-    """The rollout seed of one step on one rank (the toy's seeded learning curve is measured with this mix)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def _usable_cpus():
-    """CPU cores this process may run on (taskset and cgroup CPU sets honoured, unlike os.cpu_count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _ensure_toy_world(cfg):
     """Build the offline toy world on first use when the config points into .toy/, and make paths absolute."""
     m, d = cfg.worker.actor.model, cfg.data
     if any(str(p).startswith(".toy/") for p in (m.model_path, d.train_files, d.val_files)):
         import toy
-
         toy.ensure_toy(os.path.abspath(".toy"))
     for obj, key in ((m, "model_path"), (m, "tokenizer_path"), (d, "format_prompt"), (d, "override_chat_template"),
-                     (d, "image_dir")):
-        value = getattr(obj, key)
-        if value and os.path.exists(value.split("@")[0]):
-            setattr(obj, key, os.path.abspath(value))
-    for key in ("train_files", "val_files"):
-        path, _, split = getattr(d, key).partition("@")
-        if os.path.exists(path):
-            setattr(d, key, os.path.abspath(path) + (f"@{split}" if split else ""))
+                     (d, "image_dir"), (d, "train_files"), (d, "val_files")):
+        path, at, split = (getattr(obj, key) or "").partition("@")  # data files may name a split: path@split
+        if path and os.path.exists(path):
+            setattr(obj, key, os.path.abspath(path) + at + split)
 
 
 # ----------------------------------------------------------------------------------------------

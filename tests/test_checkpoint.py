@@ -11,6 +11,7 @@ import torch
 import actor
 import advantage
 import trainer
+from config import Config, OptimConfig, load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 
@@ -39,7 +40,7 @@ class FakeWorkers:
     def __init__(self):
         module = torch.nn.Linear(2, 2)
         optimizer = torch.optim.AdamW(module.parameters())
-        schedule = actor.lr_schedule(optimizer, trainer.OptimConfig(lr_warmup_steps=20), training_steps=100)
+        schedule = actor.lr_schedule(optimizer, OptimConfig(lr_warmup_steps=20), training_steps=100)
         self.actor = types.SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=schedule, rank=0,
                                            sharded=False, optimizer_steps=0, lora_rank=0,
                                            cfg=types.SimpleNamespace(model=None))
@@ -66,7 +67,7 @@ def no_hf_files(monkeypatch):
 
 
 def make_cfg(**trainer_keys):
-    cfg = trainer.Config()
+    cfg = Config()
     for key, value in {"logger": ["file"], "val_freq": -1, "val_before_train": False, "save_freq": 1,
                        "save_limit": -1, **trainer_keys}.items():
         setattr(cfg.trainer, key, value)
@@ -194,7 +195,7 @@ def test_checkpoints_are_checked_before_ray_starts(tmp_path, toy, monkeypatch):
         raise AssertionError("Ray started before the checkpoint was checked")
 
     monkeypatch.setattr(trainer, "WorkerGroup", no_ray)
-    cfg = trainer.load_config(None, [f"data.train_files={toy['colors']}@train", f"data.val_files={toy['colors']}@test",
+    cfg = load_config(None, [f"data.train_files={toy['colors']}@train", f"data.val_files={toy['colors']}@test",
                                      f"worker.actor.model.model_path={toy['vl_model']}", "trainer.logger=[file]",
                                      f"trainer.save_checkpoint_path={tmp_path}"])
     with pytest.raises(trainer.CheckpointError, match="global_step_1: trainer_state.json cannot be read"):
@@ -369,8 +370,8 @@ def test_a_local_ray_listens_on_the_loopback_only(tmp_path):
     import sys
 
     script = (
-        "import json, psutil, ray, trainer\n"
-        "trainer._start_local_ray(num_cpus=1, include_dashboard=False)\n"
+        "import json, psutil, ray, workers\n"
+        "workers._start_local_ray(num_cpus=1, include_dashboard=False)\n"
         "Echo = ray.remote(type('Echo', (), {'ip': lambda self: ray.util.get_node_ip_address()}))\n"
         "ip = ray.get(Echo.remote().ip.remote())\n"
         "me = psutil.Process()\n"

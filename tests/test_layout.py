@@ -1,4 +1,5 @@
-"""House rules: a stage module imports no other stage module; only trainer.py wires them."""
+"""House rules: a stage module imports no other stage module; only trainer.py (and its Ray plumbing, workers.py)
+wires them."""
 
 import ast
 import os
@@ -11,7 +12,7 @@ PLUMBING = ["modeling"]  # helper modules a stage may import; they import no sta
 
 
 def stage_imports(path):
-    """(line, imported stage) for every import of another stage or of trainer in `path`."""
+    """(line, imported stage) for every import of another stage, trainer or workers in `path`."""
     me = os.path.basename(path)[:-3]
     tree = ast.parse(open(path).read(), filename=path)
     found = []
@@ -21,7 +22,7 @@ def stage_imports(path):
             names = [alias.name.split(".")[0] for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module.split(".")[0]]
-        found += [(node.lineno, n) for n in names if n in STAGES + ["trainer"] and n != me]
+        found += [(node.lineno, n) for n in names if n in STAGES + ["trainer", "workers"] and n != me]
     return found
 
 

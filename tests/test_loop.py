@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import trainer
-from trainer import ConfigError, load_config
+import workers
+from config import ActorConfig, ConfigError, OptimConfig, load_config
 
 
 class FakeLoader:
@@ -76,7 +77,7 @@ def test_trust_remote_code_reaches_processor_loaders_and_rollout(tmp_path, fake_
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # setup sets them; restored after
         monkeypatch.setenv(key, "0")
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    trainer.Worker().setup(run.cfg, 0, 1, ("127.0.0.1", 0), "cpu", 10)
+    workers.Worker().setup(run.cfg, 0, 1, ("127.0.0.1", 0), "cpu", 10)
     assert seen["actor"] is True and seen["ref"] is True and seen["rollout"].trust_remote_code is True
     assert run.cfg.worker.rollout.name == "vllm" and not hasattr(run.cfg.worker.rollout, "trust_remote_code")
 
@@ -193,6 +194,9 @@ class StepWorkers:
     def sync_weights(self):
         pass
 
+    def sleep(self):
+        pass
+
     def log_probs(self, samples, kind):
         table = OLD if kind == "old" else REF
         return [torch.tensor(table[s["response_ids"][0]]) for s in samples]
@@ -258,7 +262,7 @@ def test_step_metrics_lengths_and_timing_per_token():
         assert m[f"timing_per_token_ms/{stage}"] == pytest.approx(1000 * m[f"timing_s/{stage}"] / tokens), stage
     # ReMax's returns are the rewards themselves (one per response), not the advantages r - b
     run = step_run("algorithm.disable_kl=true", "algorithm.adv_estimator=remax")
-    run.greedy_reward = {"a": 0.5, "b": 0.5}
+    run.greedy_rewards = lambda prompts: {"a": 0.5, "b": 0.5}
     m = run.train_step()
     assert (m["critic/returns/mean"], m["critic/returns/max"], m["critic/returns/min"]) == (0.75, 1.0, 0.0)
     assert (m["critic/advantages/mean"], m["critic/advantages/max"], m["critic/advantages/min"]) == (0.25, 0.5, -0.5)
@@ -268,7 +272,7 @@ def test_step_metrics_lengths_and_timing_per_token():
 
 def text_actor(toy, training_steps=4, **overrides):
     """A tiny fp32 policy; mini-batches of global_batch_size x 2 responses; no clipping unless asked."""
-    cfg = trainer.ActorConfig()
+    cfg = ActorConfig()
     cfg.model.model_path, cfg.model.enable_gradient_checkpointing = toy["text_model"], False
     cfg.fsdp.torch_dtype = cfg.fsdp.mp_param_dtype = "fp32"
     cfg.optim.lr, cfg.max_grad_norm, cfg.global_batch_size = 1e-3, 1e9, 2
@@ -356,7 +360,7 @@ def test_constant_schedule_warms_up_over_training_steps_and_logs_actor_lr(toy, t
 def test_cosine_schedule_by_hand():
     """warm-up 1 of 5 training steps, min_lr_ratio 0.1: 0, then 0.1 + 0.9 (1 + cos(pi k / 4)) / 2, k = 0..3."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-    o = trainer.OptimConfig(lr=2.0, lr_warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    o = OptimConfig(lr=2.0, lr_warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
     schedule = trainer.actor.lr_schedule(optimizer, o, 5)
     lrs = []
     for _ in range(5):
@@ -402,7 +406,7 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
     run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
 
     class Workers:
-        def generate(self, prompts, sampling, step):
+        def generate(self, prompts, sampling):
             return [{"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
                     for i, p in enumerate(prompts) for j in range(sampling["n"])]
 
@@ -410,7 +414,7 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
             pass
 
     run.workers = Workers()
-    run.sampling = lambda override=None: {"n": 2, "seed": 0}
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
     run.score = lambda prompts, responses: [
         {"overall": table[r["name"]][r.get("j", 0)], "accuracy": table[r["name"]][r.get("j", 0)]} for r in responses]
     prompts, responses, scores, _ = run.make_batch({})
@@ -442,7 +446,7 @@ def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
 def test_shard_keeps_a_prompts_responses_on_one_rank_when_groups_divide():
     """8 samples (uids a..d, two each; lengths 10+x) over 2 ranks: whole groups, 4 samples a rank, groups balanced
     by tokens (a 20+21, d 26+27 vs b 22+23, c 24+25: 94 each); 3 groups over 2 ranks fall back to samples."""
-    group = trainer.WorkerGroup.__new__(trainer.WorkerGroup)
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
     group.world, group.mini_batch = 2, 8
     samples = [{"uid": u, "prompt_ids": [0] * 10, "response_ids": [0] * (10 + k)} for k, u in enumerate("aabbccdd")]
     lists, indices = group.shard(samples)

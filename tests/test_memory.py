@@ -161,6 +161,7 @@ def test_easyr1_offload_settings_start_and_train_on_the_cpu(toy, monkeypatch, ca
     """EasyR1's example memory settings no longer raise: the worker starts, says once that offload does nothing
     on the CPU, and runs the old / ref log-prob passes and an update."""
     import trainer
+    import workers
 
     cfg = trainer.load_config(None, EASYR1_MEMORY + [
         f"worker.actor.model.model_path={toy['text_model']}", "worker.rollout.name=hf", "trainer.device=cpu",
@@ -169,7 +170,7 @@ def test_easyr1_offload_settings_start_and_train_on_the_cpu(toy, monkeypatch, ca
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # setup sets them; restored after
         monkeypatch.setenv(key, "0")
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    worker = trainer.Worker()
+    worker = workers.Worker()
     with caplog.at_level(logging.WARNING, logger="actor"):
         worker.setup(cfg, 0, 1, ("127.0.0.1", 0), "cpu", 1)
     lines = [r.getMessage() for r in caplog.records if "offload" in r.getMessage()]

@@ -423,7 +423,7 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    import trainer
+    import workers
 
     world, tp, n = 4, 2, 3
     requests = {rank: [] for rank in range(world)}  # per rank: the prompt ids it submitted to its TP group's engine
@@ -464,13 +464,13 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
     class FakeWorker:
         def __init__(self, rank):
             self.generate = types.SimpleNamespace(
-                remote=lambda prompts, sampling, step: pool.submit(engines[rank].generate, prompts, n=n, seed=0))
+                remote=lambda prompts, sampling: pool.submit(engines[rank].generate, prompts, n=n, seed=0))
 
-    group = trainer.WorkerGroup.__new__(trainer.WorkerGroup)
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
     group.world, group.tp, group.workers = world, tp, [FakeWorker(r) for r in range(world)]
     group._get = lambda refs, what: [f.result(timeout=30) for f in refs]
     prompts = [{"uid": f"u{i}", "raw_prompt_ids": [100 + i, 7]} for i in range(8)]
-    responses = group.generate(prompts, {}, step=1)
+    responses = group.generate(prompts, {})
     pool.shutdown()
 
     assert requests[0] == requests[1] and requests[2] == requests[3]  # TP peers submit the same requests

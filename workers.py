@@ -1,0 +1,262 @@
+"""workers.py: the Ray plumbing under trainer.py, which a first reading can skip.
+
+One Ray actor per GPU (per process on the CPU, gloo), each hosting the policy (actor.Actor, FSDP2), the
+reference and the rollout engine, colocated. The driver holds a WorkerGroup: it splits lists of plain dicts over
+the workers, calls every worker (`ray.get([w.method.remote(shard) ...])`) and joins the results, so the loop in
+trainer.py reads `self.workers.generate(prompts, sampling)`, `self.workers.update(samples)`.
+"""
+
+import copy
+import dataclasses
+import os
+import threading
+
+import torch
+
+import actor
+import rollout
+
+try:  # Ray is needed to train, not to read or check a config
+    import ray
+except ImportError:  # pragma: no cover
+    ray = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Worker:
+    """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
+
+    def setup(self, cfg, rank, world_size, master, device, training_steps):
+        import torch.distributed as dist
+
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
+        if device == "cpu":
+            torch.set_num_threads(max(1, _usable_cpus() // world_size))
+        self.memory = {}  # phase -> peak GiB in use on the device, reported with the update
+        if world_size > 1 and not dist.is_initialized():
+            offload = device == "cuda" and cfg.worker.actor.fsdp.enable_cpu_offload  # CPU gradients: gloo reduces
+            backend = "cuda:nccl,cpu:gloo" if offload else "nccl" if device == "cuda" else "gloo"  # their norm
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
+        common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length,
+                      max_response_length=d.max_response_length, n_per_prompt=r.n, training_steps=training_steps,
+                      use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
+                      kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
+        self.actor = actor.Actor(a, role="actor", **common)
+        needs_ref = not cfg.algorithm.disable_kl
+        ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
+        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
+        r = copy.copy(r)
+        r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
+        self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
+                                            max_response_length=d.max_response_length, device=device,
+                                            tokenizer_path=a.model.tokenizer_path)
+        self.rank = rank
+        return True
+
+    def sync_weights(self):
+        with device_peak(self.memory, "sync"):
+            self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
+            self.rollout.wake_up()  # then the KV cache
+
+    def generate(self, prompts, sampling):  # also with no prompts: a TP peer may be waiting to gather
+        seed = rollout.derive_seed(sampling["seed"], self.rank)  # the round's seed, one stream per rank
+        with device_peak(self.memory, "gen"):
+            return self.rollout.generate(prompts, **{**sampling, "seed": seed})
+
+    def sleep(self):
+        self.rollout.sleep()
+
+    def log_probs(self, samples, kind):
+        with device_peak(self.memory, kind):
+            if kind == "ref":
+                return self.ref.compute_log_probs(samples) if self.ref else self.actor.compute_log_probs(samples, disable_adapter=True)
+            return self.actor.compute_log_probs(samples)
+
+    def update(self, samples):
+        with device_peak(self.memory, "update"):
+            metrics = self.actor.update(samples)
+        metrics.update({f"perf/peak_device_memory_gb/{phase}": gib for phase, gib in self.memory.items()})
+        self.memory.clear()
+        return metrics
+
+    def save(self, path, model_only):
+        self.actor.onload(optimizer=True)  # offloaded state is saved and loaded on the device, as in EasyR1
+        self.actor.save_checkpoint(path, model_only=model_only)
+        self.actor.offload()
+
+    def load(self, path):
+        self.actor.onload(optimizer=True)
+        self.actor.load_checkpoint(path)
+        self.actor.offload()
+
+    def address(self):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class WorkerGroup:
+    """The driver's handle on the workers: splits lists, calls every worker, joins the results."""
+
+    def __init__(self, cfg, training_steps):
+        t = cfg.trainer
+        self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+        self.world = t.nnodes * t.n_gpus_per_node
+        self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
+        self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
+        if not ray.is_initialized():
+            kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
+            if "RAY_ADDRESS" in os.environ or _ray_cluster_running():
+                ray.init(**kwargs)  # the user's cluster
+            else:
+                _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
+        gpu = 1 if self.device == "cuda" else 0
+        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=600)
+        remote = ray.remote(Worker)
+        self.workers = [remote.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=ray.util.scheduling_strategies.
+                                       PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
+                        for i in range(self.world)]
+        master = self._get([self.workers[0].address.remote()], "start")[0]
+        self._get([w.setup.remote(cfg, i, self.world, master, self.device, training_steps)
+                   for i, w in enumerate(self.workers)], "setup")
+
+    def _get(self, refs, what):
+        """ray.get that turns a dead or failing worker into one clear error instead of a hang."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"a worker died during {what}: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise RuntimeError(f"a worker failed during {what}:\n{e}") from None
+
+    def sync_weights(self):
+        self._get([w.sync_weights.remote() for w in self.workers], "weight sync")
+
+    def sleep(self):
+        self._get([w.sleep.remote() for w in self.workers], "rollout sleep")
+
+    def generate(self, prompts, sampling):
+        """Split prompts over all ranks, each its own share. The ranks of a tensor-parallel group hand their
+        shares to one vLLM engine (rollout.py gathers them), which generates each prompt n times, once."""
+        outs = self._get([w.generate.remote(prompts[i::self.world], sampling) for i, w in enumerate(self.workers)],
+                         "generation")
+        by_prompt = {}
+        for rank, out in enumerate(outs):
+            for r in out:
+                index = r["prompt_index"] * self.world + rank  # rank i holds prompts i, i + world, ...
+                by_prompt.setdefault(index, []).append({**r, "prompt_index": index})
+        return [r for i in range(len(prompts)) for r in by_prompt.get(i, [])]
+
+    def shard(self, samples):
+        """Per mini-batch, balance samples across ranks by tokens, as many on each; a prompt's responses stay on one
+        rank when the groups divide evenly (its image is then encoded once). -> (per-rank lists, per-rank indices)."""
+        lists, indices = [[] for _ in range(self.world)], [[] for _ in range(self.world)]
+        for start in range(0, len(samples), self.mini_batch):
+            chunk = list(range(start, min(start + self.mini_batch, len(samples))))
+            groups = {}
+            for i in chunk:
+                groups.setdefault(samples[i]["uid"], []).append(i)
+            units = list(groups.values())
+            if len(units) % self.world or len({len(u) for u in units}) > 1:
+                units = [[i] for i in chunk]
+            lengths = [sum(len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in u) for u in units]
+            for rank, part in enumerate(actor.partition_balanced(lengths, self.world, equal_size=True)):
+                indices[rank] += [i for j in part for i in units[j]]
+                lists[rank] += [samples[i] for j in part for i in units[j]]
+        return lists, indices
+
+    def log_probs(self, samples, kind):
+        lists, indices = self.shard(samples)
+        outs = self._get([w.log_probs.remote(l, kind) for w, l in zip(self.workers, lists)], f"{kind} log-probs")
+        result = [None] * len(samples)
+        for idx, out in zip(indices, outs):
+            for i, lp in zip(idx, out):
+                result[i] = lp
+        return result
+
+    def update(self, samples):
+        """One policy update on every rank (Worker.update -> actor.Actor.update); the ranks' metrics averaged."""
+        lists, _ = self.shard(samples)
+        outs = self._get([w.update.remote(l) for w, l in zip(self.workers, lists)], "actor update")
+        return {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
+
+    def save(self, path, model_only):
+        self._get([w.save.remote(path, model_only) for w in self.workers], "checkpoint save")
+
+    def load(self, path):
+        self._get([w.load.remote(path) for w in self.workers], "checkpoint load")
+
+    def shutdown(self):
+        for w in getattr(self, "workers", []):
+            ray.kill(w)
+        if getattr(self, "pg", None) is not None:
+            ray.util.remove_placement_group(self.pg)
+
+
+class device_peak:
+    """with device_peak(memory, "gen"): ... keeps in memory["gen"] the most GiB in use on this process's GPU while
+    the block ran, from the device itself (cudaMemGetInfo, polled every 5 ms: every process and allocator, vLLM's
+    pool included; torch's max_memory_allocated counts vLLM's pool but not what it frees). No-op on the CPU."""
+
+    def __init__(self, memory, name):
+        self.memory, self.name, self.done, self.peak = memory, name, threading.Event(), 0
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            device = torch.cuda.current_device()
+            self.thread = threading.Thread(target=self._poll, args=(device,), daemon=True)
+            self.thread.start()
+
+    def _poll(self, device):
+        while True:
+            free, total = torch.cuda.mem_get_info(device)
+            self.peak = max(self.peak, total - free)
+            if self.done.wait(0.005):
+                return
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            self.done.set()
+            self.thread.join()
+            self.memory[self.name] = max(self.memory.get(self.name, 0.0), self.peak / 2**30)
+
+
+def _worker_env():
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+           "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+    for key in ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _ray_cluster_running():
+    """True when `ray start --head` runs on this machine (ray.init() then joins it, as in EasyR1)."""
+    return os.path.exists("/tmp/ray/ray_current_cluster")
+
+
+def _start_local_ray(**kwargs):
+    """ray.init of a one-machine Ray whose processes listen on 127.0.0.1 only. Ray 2.x listens on every interface
+    unless the node address is 127.0.0.1, and ray.init replaces a 127.0.0.1 `_node_ip_address` with the machine's
+    address unless its single-machine switch (ray_constants.ENABLE_RAY_CLUSTER, what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    sets) is off: it is turned off around the call, and the Ray processes get 127.0.0.1 as their address."""
+    from ray._private import ray_constants
+
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        ray.init(_node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _usable_cpus():
+    """CPU cores this process may run on (taskset and cgroup CPU sets honoured, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
