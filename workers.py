@@ -14,6 +14,7 @@ import threading
 import torch
 
 import actor
+import modeling
 import rollout
 
 try:  # Ray is needed to train, not to read or check a config
@@ -166,7 +167,7 @@ class WorkerGroup:
             if len(units) % self.world or len({len(u) for u in units}) > 1:
                 units = [[i] for i in chunk]
             lengths = [sum(len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in u) for u in units]
-            for rank, part in enumerate(actor.partition_balanced(lengths, self.world, equal_size=True)):
+            for rank, part in enumerate(modeling.partition_balanced(lengths, self.world, equal_size=True)):
                 indices[rank] += [i for j in part for i in units[j]]
                 lists[rank] += [samples[i] for j in part for i in units[j]]
         return lists, indices
