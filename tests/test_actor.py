@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 
 import actor  # noqa: E402
 import modeling  # noqa: E402
+from config import ActorConfig, FSDPConfig, LoraConfig, ModelConfig, OptimConfig  # noqa: E402
 
 TEMPERATURE = 0.7
 LOGP_ATOL = 1e-5
@@ -27,23 +28,11 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
 
 def actor_config(model_path, **overrides):
-    """An object with ActorConfig's attributes (trainer.py), for the CPU: fp32 everywhere, no checkpointing."""
-    cfg = SimpleNamespace(
-        strategy="fsdp", global_batch_size=4, micro_batch_size_per_device_for_update=1,
-        micro_batch_size_per_device_for_experience=2, max_tokens_per_micro_batch=4096, max_grad_norm=1.0,
-        clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_dual=3.0, tau_positive=1.0, tau_negative=1.05,
-        loss_avg_mode="token", loss_type="default", tis_cap=None, ppo_epochs=1, padding_free=True,
-        dynamic_batching=True, ulysses_size=1, use_torch_compile=False, compute_entropy=True,
-        model=SimpleNamespace(model_path=model_path, tokenizer_path=None, override_config={},
-                              enable_gradient_checkpointing=False, trust_remote_code=False, freeze_vision_tower=False,
-                              lora=SimpleNamespace(rank=0, alpha=64, target_modules="all-linear",
-                                                   exclude_modules=".*visual.*")),
-        optim=SimpleNamespace(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.0, strategy="adamw", lr_warmup_ratio=0.0,
-                              lr_warmup_steps=None, min_lr_ratio=None, lr_scheduler_type="constant"),
-        fsdp=SimpleNamespace(enable_full_shard=True, enable_cpu_offload=False, enable_rank0_init=True,
-                             use_orig_params=False, torch_dtype="fp32", fsdp_size=-1, mp_param_dtype="fp32",
-                             mp_reduce_dtype="fp32", mp_buffer_dtype="fp32"),
-        offload=SimpleNamespace(offload_params=False, offload_optimizer=False))
+    """config.ActorConfig for the CPU: fp32 everywhere, no gradient checkpointing, small batches, lr 1e-2."""
+    cfg = ActorConfig(global_batch_size=4, max_tokens_per_micro_batch=4096,
+                      model=ModelConfig(model_path=model_path, enable_gradient_checkpointing=False),
+                      optim=OptimConfig(lr=1e-2, weight_decay=0.0),
+                      fsdp=FSDPConfig(torch_dtype="fp32", mp_param_dtype="fp32"))
     for key, value in overrides.items():  # "a.b.c": value
         *parents, leaf = key.split(".")
         target = cfg
@@ -469,8 +458,7 @@ def test_adamw_bf16_follows_adamw():
 def test_lora_trains_only_adapters_and_disabled_equals_base(vl):
     samples = [vl_sample(vl, (56, 56), 4, 1), vl_sample(vl, None, 3, 2)]
     base = make_actor(vl.path).compute_log_probs(samples)
-    a = make_actor(vl.path, **{"model.lora": SimpleNamespace(rank=4, alpha=8, target_modules="all-linear",
-                                                             exclude_modules=".*visual.*")})
+    a = make_actor(vl.path, **{"model.lora": LoraConfig(rank=4, alpha=8)})
     trainable = [n for n, p in a.module.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     assert not any("visual" in n for n in trainable) and not any("lm_head" in n for n in trainable)
@@ -518,8 +506,7 @@ def _two_rank_job(rank, world, tmp, path, budget, samples, weights):
     after = a.compute_log_probs(local)
     weights_out = {n: t.cpu() for n, t in a.named_tensors()}
 
-    lora = make_actor(path, max_tokens_per_micro_batch=budget, **{"model.lora": SimpleNamespace(
-        rank=4, alpha=8, target_modules="all-linear", exclude_modules=".*visual.*")})
+    lora = make_actor(path, max_tokens_per_micro_batch=budget, **{"model.lora": LoraConfig(rank=4, alpha=8)})
     lora_logps = lora.compute_log_probs(local)  # B = 0 at the start: equal to the base model
     lora_off = lora.compute_log_probs(local, disable_adapter=True)
     for s, lp in zip(local, lora_logps):

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import actor as actor_module  # noqa: E402
-import trainer  # noqa: E402
+from config import ActorConfig  # noqa: E402
 
 MAX_PROMPT, MAX_RESPONSE = 64, 8
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32 sums in another order
@@ -30,7 +30,7 @@ WEIGHT_ATOL = 0.05 * LR
 
 def make_cfg(model_path, **overrides):
     """ActorConfig for the toy: fp32 master and compute, no checkpointing, plain AdamW, no clipping."""
-    cfg = trainer.ActorConfig()
+    cfg = ActorConfig()
     cfg.model.model_path = model_path
     cfg.model.enable_gradient_checkpointing = False
     cfg.fsdp.torch_dtype = cfg.fsdp.mp_param_dtype = "fp32"

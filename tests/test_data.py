@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import data
 import toy as toy_world
-from trainer import DataConfig
+from config import DataConfig
 
 torch.set_num_threads(1)
 PAD = "<|image_pad|>"

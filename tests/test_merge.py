@@ -447,13 +447,13 @@ def actor_worker(rank, port, model_path, samples_path, root):
     import torch.distributed as dist
 
     import actor
-    import trainer
+    from config import ActorConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     samples = torch.load(samples_path, weights_only=False)[2 * rank:2 * rank + 2]
     for kind, lora_rank in (("full", 0), ("lora", 4)):
-        cfg = trainer.ActorConfig()
+        cfg = ActorConfig()
         cfg.model.model_path, cfg.model.enable_gradient_checkpointing = model_path, False
         cfg.model.lora.rank, cfg.model.lora.alpha = lora_rank, 8
         cfg.fsdp.torch_dtype = cfg.fsdp.mp_param_dtype = "fp32"
