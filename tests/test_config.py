@@ -1,5 +1,7 @@
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -14,6 +16,15 @@ def load_checked(*overrides):
     cfg = load_config(None, overrides)
     trainer.check_choices(cfg)
     return cfg
+
+
+def test_config_imports_no_stage_nor_ray_nor_datasets():
+    """Tests and benchmarks build configs without starting the trainer's imports."""
+    code = "import sys, config; print(sorted(set(sys.modules) & set(sys.argv[1:])))"
+    heavy = ["ray", "datasets", "torch", "data", "rollout", "reward", "advantage", "actor", "merge", "trainer", "workers"]
+    out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=os.path.dirname(CONFIGS), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_defaults_match_easyr1_example_config():

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["data", "rollout", "reward", "advantage", "actor", "merge"]
-PLUMBING = ["modeling"]  # helper modules a stage may import; they import no stage
+PLUMBING = ["modeling", "config"]  # helper modules a stage may import; they import no stage
 
 
 def stage_imports(path):
