@@ -24,13 +24,13 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import toy  # noqa: E402
+from config import RolloutConfig  # noqa: E402
 from test_actor import actor_config  # noqa: E402
 
 MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
@@ -88,10 +88,8 @@ def bare_generate(repeats):
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29533", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
-    cfg = types.SimpleNamespace(name="vllm", ignore_eos=True, seed=1, limit_images=0, gpu_memory_utilization=0.35,
-                                enforce_eager=False, enable_chunked_prefill=False, tensor_parallel_size=1,
-                                max_model_len=None, max_num_batched_tokens=16384, disable_log_stats=True,
-                                disable_tqdm=True, dtype="bf16")
+    cfg = RolloutConfig(name="vllm", ignore_eos=True, gpu_memory_utilization=0.35, tensor_parallel_size=1,
+                        max_num_batched_tokens=16384, disable_tqdm=True)
     engine = rollout.make_rollout(cfg, MODEL, max_prompt_length=PROMPT, max_response_length=RESPONSE, device="cuda")
     hf = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.bfloat16)
     engine.load_weights(iter(hf.state_dict().items()))

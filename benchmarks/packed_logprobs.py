@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import actor  # noqa: E402
-from test_actor import actor_config  # noqa: E402  (ActorConfig's attributes; trainer.py needs Ray and datasets)
+from test_actor import actor_config  # noqa: E402  (config.ActorConfig with the CPU tests' settings)
 
 MODEL = "/tmp/bench_mid_vl"
 IMG, VID, VS, VE = 5, 6, 3, 4

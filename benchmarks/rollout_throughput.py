@@ -19,12 +19,12 @@ import os
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
+from config import RolloutConfig  # noqa: E402
 import toy  # noqa: E402
 
 MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
@@ -70,9 +70,8 @@ def main():
 
     hf = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.bfloat16).cuda().eval()
     state = {k: v for k, v in hf.state_dict().items()}
-    cfg = SimpleNamespace(name=args.engine, ignore_eos=True, seed=1, limit_images=0, gpu_memory_utilization=0.6,
-                          enforce_eager=False, enable_chunked_prefill=False, tensor_parallel_size=1, max_model_len=None,
-                          max_num_batched_tokens=16384, disable_log_stats=True, disable_tqdm=True, dtype="bf16")
+    cfg = RolloutConfig(name=args.engine, ignore_eos=True, tensor_parallel_size=1, max_num_batched_tokens=16384,
+                        disable_tqdm=True)
     engine = rollout.make_rollout(cfg, MODEL, max_prompt_length=256, max_response_length=256, device="cuda",
                                   batch_size=256)
     result = {"gpu": torch.cuda.get_device_name(), "engine": args.engine}
