@@ -225,17 +225,6 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-def _leaves(cls, prefix=""):
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            yield from _leaves(hint, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", hint
-
-
-KEYS = dict(_leaves(Config))  # every dotted key and its type: "worker.rollout.n" -> int
-
-
 class ConfigError(ValueError):
     pass
 
@@ -268,11 +257,69 @@ def load_config(path=None, overrides=()):
     return cfg
 
 
+def check_config(cfg):
+    """Checks of values against each other, before any model is loaded. The values a stage accepts from its own
+    table (estimators, loss types, dtypes, engines, loggers) are checked in trainer.py."""
+    a, r, d = cfg.worker.actor, cfg.worker.rollout, cfg.data
+    choices = {  # keys whose values no stage lists in a table
+        "algorithm.kl_penalty": (cfg.algorithm.kl_penalty, ["kl", "abs", "mse", "low_var_kl"]),
+        "algorithm.kl_type": (cfg.algorithm.kl_type, ["fixed", "adaptive"]),
+        "worker.actor.strategy": (a.strategy, ["fsdp"]),
+        "worker.actor.optim.strategy": (a.optim.strategy, ["adamw", "adamw_bf16"]),
+        "worker.actor.optim.lr_scheduler_type": (a.optim.lr_scheduler_type, ["constant", "cosine"]),
+        "trainer.device": (cfg.trainer.device, ["auto", "cpu", "cuda"]),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    positive = {"data.rollout_batch_size": d.rollout_batch_size,
+                "data.mini_rollout_batch_size": d.mini_rollout_batch_size,
+                "worker.actor.global_batch_size": a.global_batch_size, "worker.actor.ppo_epochs": a.ppo_epochs,
+                "worker.rollout.n": r.n, "trainer.total_epochs": cfg.trainer.total_epochs,
+                "trainer.max_steps": cfg.trainer.max_steps, "trainer.nnodes": cfg.trainer.nnodes,
+                "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node}
+    for key, value in positive.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if d.val_batch_size == 0 or d.val_batch_size < -1:
+        raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
+    if a.clip_ratio_dual <= 1.0:
+        raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
+    if d.rollout_batch_size % a.global_batch_size != 0:
+        raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
+                          f"worker.actor.global_batch_size={a.global_batch_size}")
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # one worker per GPU (per process on the CPU)
+    tp = r.tensor_parallel_size if r.name == "vllm" else 1
+    if world % tp:
+        raise ConfigError(f"worker.rollout.tensor_parallel_size={tp} must divide the {world} workers "
+                          f"(trainer.nnodes x trainer.n_gpus_per_node)")
+    for name, count in (("data.rollout_batch_size x worker.rollout.n", d.rollout_batch_size * r.n),
+                        ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
+        if count % world:
+            raise ConfigError(f"{name} = {count} must be divisible by the {world} workers "
+                              f"(trainer.nnodes x trainer.n_gpus_per_node)")
+    if cfg.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: "
+                          f"set worker.rollout.n >= 2 (it is {r.n})")
+    if cfg.algorithm.gamma != 1.0:
+        raise ConfigError("algorithm.gamma must be 1.0: a response has one reward at its end, so a discount "
+                          "only rescales it (per-token rewards are not supported)")
+    if a.ulysses_size != 1:
+        raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
+    if not a.padding_free:
+        raise ConfigError("worker.actor.padding_free=false is not supported: the actor always packs sequences")
+
+
+def config_to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
 def _merge(cfg, layer, source, replace_dicts):
     """cfg with `layer` merged in (OmegaConf checks keys and types); with replace_dicts, a dict key that the
     layer sets is replaced, not merged entry by entry."""
-    for key, hint in KEYS.items():
-        if replace_dicts and hint is dict and OmegaConf.select(layer, key, throw_on_resolution_failure=False) is not None:
+    dict_keys = [key for key, hint in KEYS.items() if hint is dict] if replace_dicts else []
+    for key in dict_keys:
+        if OmegaConf.select(layer, key, throw_on_resolution_failure=False) is not None:
             OmegaConf.update(cfg, key, {}, merge=False)
     try:
         return OmegaConf.merge(cfg, layer)
@@ -310,57 +357,12 @@ def _config_file(path):
     raise ConfigError(f"no config file {path!r} (nor in {CONFIGS}: {', '.join(shipped)})")
 
 
-def config_to_dict(cfg):
-    return dataclasses.asdict(cfg)
+def _leaves(cls, prefix=""):
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            yield from _leaves(hint, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", hint
 
 
-def check_config(cfg):
-    """Checks of values against each other, before any model is loaded. The values a stage accepts from its own
-    table (estimators, loss types, dtypes, engines, loggers) are checked in trainer.py."""
-    a, r, d = cfg.worker.actor, cfg.worker.rollout, cfg.data
-    choices = {  # keys whose values no stage lists in a table
-        "algorithm.kl_penalty": (cfg.algorithm.kl_penalty, ["kl", "abs", "mse", "low_var_kl"]),
-        "algorithm.kl_type": (cfg.algorithm.kl_type, ["fixed", "adaptive"]),
-        "worker.actor.strategy": (a.strategy, ["fsdp"]),
-        "worker.actor.optim.strategy": (a.optim.strategy, ["adamw", "adamw_bf16"]),
-        "worker.actor.optim.lr_scheduler_type": (a.optim.lr_scheduler_type, ["constant", "cosine"]),
-        "trainer.device": (cfg.trainer.device, ["auto", "cpu", "cuda"]),
-    }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
-    positive = {"data.rollout_batch_size": d.rollout_batch_size, "data.mini_rollout_batch_size": d.mini_rollout_batch_size,
-                "worker.actor.global_batch_size": a.global_batch_size, "worker.actor.ppo_epochs": a.ppo_epochs,
-                "worker.rollout.n": r.n, "trainer.total_epochs": cfg.trainer.total_epochs,
-                "trainer.max_steps": cfg.trainer.max_steps, "trainer.nnodes": cfg.trainer.nnodes,
-                "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node}
-    for key, value in positive.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}={value} must be at least 1")
-    if d.val_batch_size == 0 or d.val_batch_size < -1:
-        raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
-    if a.clip_ratio_dual <= 1.0:
-        raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
-    if d.rollout_batch_size % a.global_batch_size != 0:
-        raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
-                          f"worker.actor.global_batch_size={a.global_batch_size}")
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # one worker per GPU (per process on the CPU)
-    tp = r.tensor_parallel_size if r.name == "vllm" else 1
-    if world % tp:
-        raise ConfigError(f"worker.rollout.tensor_parallel_size={tp} must divide the {world} workers "
-                          f"(trainer.nnodes x trainer.n_gpus_per_node)")
-    for name, count in (("data.rollout_batch_size x worker.rollout.n", d.rollout_batch_size * r.n),
-                        ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
-        if count % world:
-            raise ConfigError(f"{name} = {count} must be divisible by the {world} workers "
-                              f"(trainer.nnodes x trainer.n_gpus_per_node)")
-    if cfg.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: "
-                          f"set worker.rollout.n >= 2 (it is {r.n})")
-    if cfg.algorithm.gamma != 1.0:
-        raise ConfigError("algorithm.gamma must be 1.0: a response has one reward at its end, so a discount "
-                          "only rescales it (per-token rewards are not supported)")
-    if a.ulysses_size != 1:
-        raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
-    if not a.padding_free:
-        raise ConfigError("worker.actor.padding_free=false is not supported: the actor always packs sequences")
+KEYS = dict(_leaves(Config))  # every dotted key and its type: "worker.rollout.n" -> int

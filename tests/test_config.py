@@ -21,7 +21,8 @@ def load_checked(*overrides):
 def test_config_imports_no_stage_nor_ray_nor_datasets():
     """Tests and benchmarks build configs without starting the trainer's imports."""
     code = "import sys, config; print(sorted(set(sys.modules) & set(sys.argv[1:])))"
-    heavy = ["ray", "datasets", "torch", "data", "rollout", "reward", "advantage", "actor", "merge", "trainer", "workers"]
+    heavy = ["ray", "datasets", "torch", "data", "rollout", "reward", "advantage", "actor", "merge", "trainer",
+             "workers"]
     out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=os.path.dirname(CONFIGS), capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
