@@ -9,9 +9,8 @@ module that imports the stages.
 The config (EasyR1's sections and keys as dataclasses, YAML and `a.b.c=value` overrides, cross-key
 checks) is config.py; check_choices here checks the values each stage accepts against its own table.
 
-Run.train_step is the README's loop, a line or a short block per stage; workers.py, the Ray plumbing a first
-reading can skip, splits each call over the workers (each hosting actor.Actor, the reference and the rollout).
-The differences from EasyR1 are listed in README.md.
+Run.train_step is the README's loop, a line or a short block per stage; workers.py, Ray plumbing a first reading
+can skip, splits each call over the workers (each hosts actor.Actor, the reference and the rollout engine).
 """
 
 import argparse
@@ -55,19 +54,16 @@ def fit(cfg):
 
 
 def training_steps(cfg, batches_per_epoch):
-    """trainer.max_steps, else as EasyR1 counts: batches_per_epoch x total_epochs, where a batch is a generation
-    round of mini_rollout_batch_size prompts when set (then x mini_rollout_batch_size // rollout_batch_size)."""
+    """trainer.max_steps, else as EasyR1 counts: batches_per_epoch x batch // rollout_batch_size x total_epochs,
+    a loader batch being a generation round of mini_rollout_batch_size prompts when that is set."""
     t, d = cfg.trainer, cfg.data
     if t.max_steps is not None:
         return t.max_steps
-    if d.mini_rollout_batch_size is not None:
-        steps = batches_per_epoch * d.mini_rollout_batch_size // d.rollout_batch_size * t.total_epochs
-    else:
-        steps = batches_per_epoch * t.total_epochs
+    batch = d.mini_rollout_batch_size or d.rollout_batch_size
+    steps = batches_per_epoch * batch // d.rollout_batch_size * t.total_epochs
     if steps < 1:
-        raise ConfigError(f"{batches_per_epoch} batches of {d.mini_rollout_batch_size or d.rollout_batch_size} prompts "
-                          f"per epoch make no step of data.rollout_batch_size={d.rollout_batch_size} prompts; "
-                          f"lower it or set trainer.max_steps")
+        raise ConfigError(f"{batches_per_epoch} batches of {batch} prompts per epoch make no step of "
+                          f"data.rollout_batch_size={d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
     return steps
 
 
@@ -93,10 +89,9 @@ class Run:
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
         rw = cfg.worker.reward
-        kwargs = dict(rw.reward_function_kwargs)
-        if rw.reward_function in ("math", "r1v"):  # the built-ins that compare answers with a timeout
-            kwargs.setdefault("timeout", rw.timeout)
-        self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout, **kwargs)
+        timeout = {"timeout": rw.timeout} if rw.reward_function in ("math", "r1v") else {}  # they compare answers
+        self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout,
+                                                     **{**timeout, **rw.reward_function_kwargs})
         self.kl_ctrl = (advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
                         else advantage.FixedKLController(a.kl_coef))
         self.training_steps = training_steps(cfg, self.train_loader.batches_per_epoch)
@@ -105,8 +100,7 @@ class Run:
         self._resume(checkpoint)
 
     def fit(self):
-        cfg, t = self.cfg, self.cfg.trainer
-        metrics = {}
+        t, metrics = self.cfg.trainer, {}
         if t.val_before_train or t.val_only:  # also when resuming, as EasyR1
             metrics = self.validate()
             self.logger.log(metrics, self.step, amend=self.step > 0)  # resumed: into the row of the step it resumes
@@ -171,10 +165,9 @@ class Run:
         while len(kept_prompts) < want:
             rounds += 1
             if cfg.trainer.max_try_make_batch > 0 and rounds > cfg.trainer.max_try_make_batch:
-                raise RuntimeError(
-                    f"online filtering kept {len(kept_prompts)} of {want} groups after "
-                    f"{rounds - 1} rounds (trainer.max_try_make_batch); widen algorithm.filter_low/filter_high, "
-                    f"raise max_try_make_batch, or disable algorithm.online_filtering")
+                raise RuntimeError(f"online filtering kept {len(kept_prompts)} of {want} groups after {rounds - 1} "
+                                   f"rounds (trainer.max_try_make_batch); widen algorithm.filter_low/filter_high, "
+                                   f"raise max_try_make_batch, or disable algorithm.online_filtering")
             prompts = next(self.train_iter)
             for i, p in enumerate(prompts):
                 p["uid"] = f"{self.step}-{rounds}-{i}"
@@ -218,10 +211,9 @@ class Run:
         return token_kl, beta
 
     def advantages(self, samples, scores, token_kl, beta, greedy, metrics):
-        """algorithm.adv_estimator's advantages (advantage.py): a float per response, or an [L_i] tensor for the
-        TOKEN_LEVEL estimators; greedy: ReMax's baselines by uid. Logs critic/score/* and adv/zero_std_group_frac
-        from the raw scores, critic/rewards/* after the KL, and EasyR1's critic/returns/*: the rewards-to-go for
-        remax and REINFORCE++, the advantages themselves for the group estimators."""
+        """algorithm.adv_estimator's advantages: a float per response, an [L_i] tensor for TOKEN_LEVEL estimators;
+        greedy: ReMax's baselines by uid. Logs critic/score/* and adv/zero_std_group_frac (raw scores), critic/rewards/*
+        (after the KL) and EasyR1's critic/returns/* (rewards-to-go for remax and REINFORCE++, else the advantages)."""
         a, uids, lengths = self.cfg.algorithm, [s["uid"] for s in samples], [len(s["response_ids"]) for s in samples]
         raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)                    # [N]
         rewards = raw if token_kl is None else advantage.kl_in_reward(raw, [float(k.sum()) for k in token_kl], beta)
@@ -240,9 +232,8 @@ class Run:
         return adv if a.adv_estimator in advantage.TOKEN_LEVEL else adv.tolist()
 
     def sampling(self, key, override=None):
-        """rollout's sampling settings (override: val_override_config, checked there), max_tokens, and this
-        generation's seed, rollout.derive_seed(worker.rollout.seed, *key): key names the step and round (each worker
-        mixes in its rank), so every round draws fresh streams, reproducibly."""
+        """rollout's sampling settings (override: val_override_config), max_tokens, and this generation's seed
+        derive_seed(worker.rollout.seed, *key), key naming step and round: fresh, reproducible streams each round."""
         r = self.cfg.worker.rollout
         return {**rollout.sampling_settings(r, override), "max_tokens": self.cfg.data.max_response_length,
                 "seed": rollout.derive_seed(r.seed, *key)}
@@ -255,8 +246,7 @@ class Run:
                                 "prompt": p["prompt_text"], "extra": p.get("extra", {})} for r, p in pairs])
 
     def validate(self):
-        cfg = self.cfg
-        sampling = self.sampling(("validation",), cfg.worker.rollout.val_override_config)
+        sampling = self.sampling(("validation",), self.cfg.worker.rollout.val_override_config)
         self.workers.sync_weights()
         scores, lengths, logged = [], [], []
         for prompts in self.val_loader.epoch():
@@ -264,7 +254,7 @@ class Run:
             batch_scores = self.score(prompts, responses)
             scores += batch_scores
             lengths += [len(r["response_ids"]) for r in responses]
-            for r, s in list(zip(responses, batch_scores))[:cfg.trainer.val_generations_to_log - len(logged)]:
+            for r, s in list(zip(responses, batch_scores))[:self.cfg.trainer.val_generations_to_log - len(logged)]:
                 p = prompts[r["prompt_index"]]
                 logged.append({"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
                                "ground_truth": p["ground_truth"], "score": s["overall"]})
@@ -450,17 +440,14 @@ class Logger:
 
     def sizes(self):
         """{file name: bytes} of the LOG_FILES, flushed to disk: saved with each checkpoint for rewind."""
-        out = {}
         for f in (self.jsonl, self.generations):
             f.flush()
             os.fsync(f.fileno())
-            out[os.path.basename(f.name)] = os.path.getsize(f.name)
-        return out
+        return {os.path.basename(f.name): os.path.getsize(f.name) for f in (self.jsonl, self.generations)}
 
     def rewind(self, sizes):
-        """Cut each of the LOG_FILES back to its size in `sizes` (what sizes() returned when the checkpoint a run
-        resumes from was saved; all 0 for a fresh start; a file not named is left alone). What is cut was written
-        after that checkpoint, by steps that now run again (or a line cut short by a kill), and it is said."""
+        """Cut each of the LOG_FILES back to its size in `sizes` (sizes() when the checkpoint resumed from was saved;
+        0 for a fresh start; a file not named is left alone): what steps that now run again wrote, and it is said."""
         for f in (self.jsonl, self.generations):
             keep, size = sizes.get(os.path.basename(f.name)), os.path.getsize(f.name)
             if keep is not None and size > keep:
@@ -483,14 +470,13 @@ class Logger:
         """Reward, accuracy, format score and response length against steps (training batch and validation),
         from the JSONL log. Accuracy and format are the reward function's "accuracy" and "format" keys, if any."""
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
             return None
+        plt.switch_backend("Agg")
         rows = [json.loads(line) for line in open(self.jsonl_path)]
-        panels = {"reward": ("reward/overall", "val/reward_score"), "accuracy": ("reward/accuracy", "val/accuracy_reward"),
+        panels = {"reward": ("reward/overall", "val/reward_score"),
+                  "accuracy": ("reward/accuracy", "val/accuracy_reward"),
                   "format": ("reward/format", "val/format_reward"),
                   "response length": ("response_length/mean", "val_response_length/mean")}
         fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.5))
@@ -551,8 +537,7 @@ def _find_checkpoint(root, load_path, find_last):
     tracker = os.path.join(root, TRACKER)
     if not find_last or not os.path.exists(tracker):
         return None
-    steps = _saved_steps(root)[::-1]
-    problems = []
+    steps, problems = _saved_steps(root)[::-1], []
     try:
         with open(tracker) as f:
             last = int(json.load(f)["last_global_step"])

@@ -72,9 +72,9 @@ class Worker:
 
     def log_probs(self, samples, kind):
         with device_peak(self.memory, kind):
-            if kind == "ref":
-                return self.ref.compute_log_probs(samples) if self.ref else self.actor.compute_log_probs(samples, disable_adapter=True)
-            return self.actor.compute_log_probs(samples)
+            if kind == "ref" and self.ref is None:  # LoRA: the reference is the base model, the adapter off
+                return self.actor.compute_log_probs(samples, disable_adapter=True)
+            return (self.ref if kind == "ref" else self.actor).compute_log_probs(samples)
 
     def update(self, samples):
         with device_peak(self.memory, "update"):
@@ -117,12 +117,12 @@ class WorkerGroup:
             else:
                 _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
         gpu = 1 if self.device == "cuda" else 0
-        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world, strategy="PACK")
+        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world,
+                                           strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
-        remote = ray.remote(Worker)
-        self.workers = [remote.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=ray.util.scheduling_strategies.
-                                       PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
-                        for i in range(self.world)]
+        remote, place = ray.remote(Worker), ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        self.workers = [remote.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=place(
+                            self.pg, placement_group_bundle_index=i)).remote() for i in range(self.world)]
         master = self._get([self.workers[0].address.remote()], "start")[0]
         self._get([w.setup.remote(cfg, i, self.world, master, self.device, training_steps)
                    for i, w in enumerate(self.workers)], "setup")
