@@ -160,10 +160,10 @@ EASYR1_MEMORY = ["worker.actor.offload.offload_params=true", "worker.actor.offlo
 def test_easyr1_offload_settings_start_and_train_on_the_cpu(toy, monkeypatch, caplog):
     """EasyR1's example memory settings no longer raise: the worker starts, says once that offload does nothing
     on the CPU, and runs the old / ref log-prob passes and an update."""
-    import trainer
     import workers
+    from config import load_config
 
-    cfg = trainer.load_config(None, EASYR1_MEMORY + [
+    cfg = load_config(None, EASYR1_MEMORY + [
         f"worker.actor.model.model_path={toy['text_model']}", "worker.rollout.name=hf", "trainer.device=cpu",
         "trainer.n_gpus_per_node=1", "worker.actor.global_batch_size=2", "worker.rollout.n=2",
         "data.max_prompt_length=16", "data.max_response_length=8"])

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import trainer
+from config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +188,7 @@ def test_toy_default_learns(tmp_path, toy, seed):
 
 
 def test_text_only_toy_config_resolves():
-    cfg = trainer.load_config(os.path.join(ROOT, "configs", "toy_text.yaml"))
+    cfg = load_config(os.path.join(ROOT, "configs", "toy_text.yaml"))
     assert cfg.worker.actor.model.model_path.endswith("text_model") and cfg.data.train_files.endswith("@train")
 
 
