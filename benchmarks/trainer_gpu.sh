@@ -11,6 +11,7 @@
 # 3B step on the same shapes (benchmarks/actor_paths.py --generate: vLLM generate, log-prob pass, update).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
+#   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B-sized run
 set -euo pipefail
 OUT=${1:-/tmp/trainer_gpu}
 STEPS=${STEPS:-6}
@@ -34,7 +35,7 @@ python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS traine
     data.min_pixels=262144 data.max_pixels=262144 data.max_prompt_length=512 data.max_response_length=512 \
     data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
     worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
-    trainer.save_freq=-1 trainer.save_model_only=true
+    trainer.save_freq=-1 trainer.save_model_only=true ${EXTRA:-}
 fi
 
 if [[ ${COMPONENTS:-0} == 1 ]]; then
