@@ -11,6 +11,9 @@ What it builds, deterministically from a seed, in a few seconds, cached under `r
                 chat template), the Qwen2-VL image and video processors, generation_config.json with
                 the EOS list. `AutoProcessor` and `AutoModelForImageTextToText` load it.
   text-model/   the same tokenizer and a tiny Qwen2 causal LM (`AutoModelForCausalLM`).
+  vl_warm/, text_warm/   the two models after a warm start (warm_start: ~10 s of supervised fine-tuning
+                on the CPU): they answer `<answer>red</answer>` + EOS, the content at chance. The toy
+                configs start from these, as a real GRPO run starts from an instruction-tuned model.
   colors/       train.parquet / test.parquet in the Geometry3K schema (`problem` with `<image>`,
                 `answer`, `images` as a list of {"bytes": png}): name the colour of the square.
   sums/         train.parquet / test.parquet, text only: "What is 3 + 4 ?" -> "7".
@@ -33,7 +36,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 8
+TOY_VERSION = 13
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -61,6 +64,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+WARM_STEPS = 300        # supervised warm-start steps (warm_start)
 IMAGE_SIDE = 56          # 56 x 56 pixels -> 4 x 4 patches of 14 -> 2 x 2 = 4 image tokens
 VIDEO_FRAMES, VIDEO_FPS = 4, 2  # toy clips: 2 seconds
 MIN_PIXELS = 56 * 56
@@ -74,7 +78,8 @@ def ensure_toy(root=".toy", seed=0):
     (several test processes) are safe: each builds in a temporary folder and renames it into place.
     """
     root = os.path.abspath(root)
-    paths = {name: os.path.join(root, name) for name in ("vl_model", "text_model", "colors", "sums")}
+    paths = {name: os.path.join(root, name) for name in ("vl_model", "text_model", "colors", "sums", "vl_warm",
+                                                         "text_warm")}
     paths["video_colors"] = os.path.join(root, "video_colors")
     stamp = os.path.join(root, "VERSION")
     if (os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}"
@@ -88,6 +93,8 @@ def ensure_toy(root=".toy", seed=0):
     write_colors_task(os.path.join(tmp, "colors"), seed, n_train=512, n_test=64)
     write_sums_task(os.path.join(tmp, "sums"), seed, n_train=512, n_test=64)
     write_video_task(os.path.join(tmp, "video_colors"), seed, n_train=256, n_test=32)
+    warm_start(os.path.join(tmp, "vl_model"), os.path.join(tmp, "vl_warm"), "colors", seed)
+    warm_start(os.path.join(tmp, "text_model"), os.path.join(tmp, "text_warm"), "sums", seed)
     with open(os.path.join(tmp, "VERSION"), "w") as f:
         f.write(f"{TOY_VERSION} {seed}\n")
     try:
@@ -257,9 +264,74 @@ def write_sums_task(path, seed, n_train, n_test):
     rng = random.Random(seed + 1)
     rows = []
     for _ in range(n_train + n_test):
-        a, b = rng.randint(0, 4), rng.randint(0, 4)
-        rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
+        total = rng.randint(0, 8)  # every sum equally often: always giving the commonest one scores 1/9, not 1/5
+        a = rng.randint(max(0, total - 4), min(4, total))
+        rows.append({"problem": f"What is {a} + {total - a}?", "answer": str(total)})
     _write_parquet(path, rows[:n_train], rows[n_train:])
+
+
+def warm_start(src, dst, task, seed, steps=WARM_STEPS, batch_size=32, lr=3e-3):
+    """Supervised fine-tuning of the model in `src` (saved to `dst`, with its tokenizer, processor and generation
+    config) on `task`'s prompts, answered in the toy format with RANDOM labels: `<answer>blue</answer>` + EOS.
+
+    The model learns the format (greedy answers are well-formed, sampled ones almost always) and the answer
+    vocabulary, but nothing about the content: the labels are independent of the prompt, so its answers are
+    at chance. Like the instruction-tuned model a real GRPO run starts from. Warm-up prompts are fresh (not
+    the task's train or test rows; for colours, the grey background without a square; for sums, "a + b"). Loss: mean
+    cross-entropy over the response tokens (EOS included); AdamW.
+
+    Only the top trains (the last decoder layer, the final norm and the head): random labels teach whatever
+    trains to ignore the input, and when the embeddings, the first layer and the vision tower trained too,
+    supervised learning of the true colours afterwards was several times slower (to 0.98: 30 steps vs 10).
+    """
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    rng = random.Random(seed + 2)
+    torch.manual_seed(seed + 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same float sums on any machine (and faster for a model this small)
+    is_vl = task == "colors"
+    auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
+    model = auto.from_pretrained(src, dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(src) if is_vl else AutoTokenizer.from_pretrained(src)
+    tokenizer = processor.tokenizer if is_vl else processor
+    top = f"layers.{model.config.get_text_config().num_hidden_layers - 1}."
+    for name, param in model.named_parameters():  # the top only: last decoder layer, final norm, head
+        param.requires_grad_(name == "lm_head.weight" or "visual" not in name and (
+            top in name or name.endswith("norm.weight") and "layers." not in name))
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, weight_decay=0.0)
+    model.train()
+    prompts = {}  # question -> chat-templated prompt (the template is slow to render)
+    for _ in range(steps):
+        texts, images, answers = [], [], []
+        for _ in range(batch_size):
+            if is_vl:
+                shade = rng.randint(90, 160)  # the background alone: no square whose colour to learn to ignore
+                images.append(Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), (shade, shade, shade)))
+                question, answer = "What colour is the square?", rng.choice(sorted(COLORS))
+            else:
+                question, answer = "What is a + b?", str(rng.randint(0, 8))  # letters: no digits to learn to ignore
+            if question not in prompts:
+                content = [{"type": "image"}, {"type": "text", "text": question}] if is_vl else question
+                prompts[question] = processor.apply_chat_template([{"role": "user", "content": content}],
+                                                                  add_generation_prompt=True, tokenize=False)
+            answers.append(f"<answer>{answer}</answer><|im_end|>")
+            texts.append(prompts[question] + answers[-1])
+        inputs = processor(text=texts, images=images, return_tensors="pt") if is_vl else \
+            processor(texts, return_tensors="pt")  # every toy prompt and answer has one length: no padding
+        labels = torch.full_like(inputs["input_ids"], -100)  # [batch, tokens]: loss on the answer and EOS only
+        n = len(tokenizer(answers[0])["input_ids"])
+        labels[:, -n:] = inputs["input_ids"][:, -n:]
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.set_num_threads(threads)
+    shutil.copytree(src, dst)
+    model.save_pretrained(dst)
+    return dst
 
 
 def write_video_task(path, seed, n_train, n_test):

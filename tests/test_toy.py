@@ -67,6 +67,9 @@ def test_toy_world_is_deterministic_and_cached(tmp_path):
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert open(os.path.join(first["vl_model"], name), "rb").read() == \
             open(os.path.join(second["vl_model"], name), "rb").read(), name
+    for model in ("vl_warm", "text_warm"):  # the warm start too (one CPU thread: the same sums anywhere)
+        assert open(os.path.join(first[model], "model.safetensors"), "rb").read() == \
+            open(os.path.join(second[model], "model.safetensors"), "rb").read(), model
     a = pd.read_parquet(os.path.join(first["colors"], "test.parquet"))
     b = pd.read_parquet(os.path.join(second["colors"], "test.parquet"))
     assert a["answer"].tolist() == b["answer"].tolist()
@@ -85,3 +88,60 @@ def test_padded_tokenizer_encodes_like_the_toy_one_and_decodes_every_id():
     assert padded(text)["input_ids"] == small(text)["input_ids"]
     assert padded.decode([167, 151935]) == "<t167><t151935>"
     assert padded.convert_tokens_to_ids("<|im_end|>") == small.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("model, task", [("vl_warm", "colors"), ("text_warm", "sums")])
+def test_warm_start_answers_in_format_with_content_at_chance(toy, model, task):
+    """The warm-started policy answers `<answer>X</answer>` then EOS and nothing else (greedy: every test prompt;
+    sampled at temperature 1: >= 95%), X one of the task's answers, right about as often as chance."""
+    import re
+
+    from PIL import Image
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    is_vl = task == "colors"
+    policy = (AutoModelForImageTextToText if is_vl else AutoModelForCausalLM).from_pretrained(toy[model]).eval()
+    processor = (AutoProcessor if is_vl else AutoTokenizer).from_pretrained(toy[model])
+    tok = processor.tokenizer if is_vl else processor
+    rows = pd.read_parquet(os.path.join(toy[task], "test.parquet"))
+    texts, images = [], []
+    for question in rows["problem"]:
+        content = [{"type": "image"}, {"type": "text", "text": question.replace("<image>", "")}] if is_vl else question
+        texts.append(processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                   tokenize=False))
+    if is_vl:
+        images = [Image.open(io.BytesIO(r[0]["bytes"])) for r in rows["images"]]
+    inputs = processor(text=texts, images=images, return_tensors="pt") if is_vl else processor(texts, return_tensors="pt")
+    eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
+    choices = ["red", "green", "blue", "yellow"] if is_vl else [str(k) for k in range(9)]
+    torch.manual_seed(0)
+    for sampled in (False, True):
+        with torch.no_grad():
+            out = policy.generate(**inputs, max_new_tokens=16, do_sample=sampled, temperature=1.0, top_k=0,
+                                  num_return_sequences=4 if sampled else 1, eos_token_id=eos, pad_token_id=eos[1])
+        answers, right = [], 0
+        for i, ids in enumerate(out[:, inputs["input_ids"].shape[1]:].tolist()):
+            found = re.fullmatch(r"<answer>(.*)</answer><\|im_end\|>(<\|endoftext\|>)*", tok.decode(ids))
+            answers.append(found.group(1) if found and found.group(1) in choices else None)
+            right += answers[-1] == rows["answer"].iloc[i // 4 if sampled else i]
+        formatted = sum(a is not None for a in answers) / len(answers)
+        if not sampled:
+            assert formatted == 1.0 and right / len(answers) <= 0.4, (formatted, right)
+        else:
+            assert formatted >= 0.95, formatted
+            assert abs(right / len(answers) - 1 / len(choices)) < 0.1, right  # chance
+            assert len(set(answers) - {None}) == len(choices)  # every answer is still said
+
+
+def test_toy_reward_file_scores_format_and_accuracy():
+    import reward
+
+    score = reward.load_reward_function(os.path.join(os.path.dirname(__file__), "..", "configs", "toy_reward.py")
+                                        + ":compute_score")
+    cases = [("<answer>red</answer>", "red", 1.0, 1.0), ("<answer>blue</answer>", "red", 1.0, 0.0),
+             ("<answer> 7 </answer>", "7", 1.0, 1.0), ("<answer>red</answer>\n", "red", 0.0, 1.0),
+             ("red", "red", 0.0, 1.0), ("<answer>red", "red", 0.0, 0.0), ("x<answer>red</answer>", "green", 0.0, 0.0)]
+    got = score([{"response": r, "ground_truth": g, "response_length": 1, "prompt": "", "extra": {}}
+                 for r, g, _, _ in cases])
+    for (response, _, form, accuracy), result in zip(cases, got):
+        assert result == {"overall": 0.5 * accuracy + 0.5 * form, "format": form, "accuracy": accuracy}, response
