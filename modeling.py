@@ -193,19 +193,27 @@ def partition_balanced(lengths, k, equal_size=False):
 
 
 def shared_image_units(samples, lengths, budget):
-    """Sample indices in units to place whole: the samples that share one multi_modal_inputs dict (the n responses
-    of an image prompt) together, in runs of at most `budget` tokens; every other sample alone."""
+    """Sample indices in units to place whole: the samples that share their images (the n responses of an image
+    prompt) together, in runs of at most `budget` tokens; every other sample alone."""
     units, unit_of = [], {}
     for i, sample in enumerate(samples):
-        inputs = sample.get("multi_modal_inputs")
-        u = unit_of.get(id(inputs)) if inputs else None
+        inputs = sample.get("multi_modal_inputs") or {}
+        key = tuple(pixels_key(inputs, k) for k in ("pixel_values", "pixel_values_videos") if k in inputs) or None
+        u = unit_of.get(key) if key else None
         if u is None or sum(lengths[j] for j in units[u]) + lengths[i] > budget:
             units.append([])
             u = len(units) - 1
-            if inputs:
-                unit_of[id(inputs)] = u
+            if key:
+                unit_of[key] = u
         units[u].append(i)
     return units
+
+
+def pixels_key(inputs, key):
+    """What makes two samples' images (videos) the same: their pixel tensor's memory and shape. The n responses of
+    a prompt share the prompt's tensors, also after Ray hands them to a worker (it copies the dicts, not the data)."""
+    pixels = torch.as_tensor(inputs[key])
+    return key, pixels.data_ptr(), tuple(pixels.shape)
 
 
 def micro_batches_needed(lengths, budget):
@@ -231,12 +239,12 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         resp_cu_seqlens  [n + 1] int32    each sample's response tokens in [N]
         resp_lens, seq_lens  list[int];   mm: dict of multi-modal tensors concatenated in sample order
         mm_order         {"image" / "video": [k]}   which encoded image (video) fills each one of the row, in
-                                          order: samples that share one multi_modal_inputs dict (the n responses
-                                          of a prompt) share its images, which are in `mm` and encoded once
+                                          order: samples that share their pixel tensors (the n responses of a
+                                          prompt, see pixels_key) share the images, in `mm` and encoded once
     """
     names = names or [f"sample {i}" for i in range(len(samples))]
     ids, positions, resp_index, labels, seq_lens, resp_lens, mm = [], [], [], [], [], [], {}
-    order, first = {"image": [], "video": []}, {}  # first: (id of a multi_modal_inputs dict, key) -> its first image
+    order, first = {"image": [], "video": []}, {}  # first: pixels_key -> the index of its first image in `mm`
     start = 0
     for name, s in zip(names, samples):
         prompt, response = list(s["prompt_ids"]), list(s["response_ids"])
@@ -266,12 +274,12 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
                                  f"{key} features; expand the placeholders the way the processor does")
             if key not in inputs:
                 continue
-            count = len(torch.as_tensor(inputs[grid]))
-            if (id(inputs), key) not in first:  # a new prompt's images: encoded once for all its samples here
-                first[id(inputs), key] = sum(len(g) for g in mm.get(grid, []))
+            count, same = len(torch.as_tensor(inputs[grid])), pixels_key(inputs, key)
+            if same not in first:  # a new prompt's images: encoded once for all its samples here
+                first[same] = sum(len(g) for g in mm.get(grid, []))
                 for k in (key, grid):
                     mm.setdefault(k, []).append(torch.as_tensor(inputs[k]))
-            order[modality] += range(first[id(inputs), key], first[id(inputs), key] + count)
+            order[modality] += range(first[same], first[same] + count)
         ids += prompt + response
         resp_index.append(torch.arange(start + len(prompt) - 1, start + len(prompt) + len(response) - 1))
         labels += response

@@ -304,21 +304,26 @@ def test_packed_log_probs_and_grads_equal_per_sequence_text(toy):
 
 
 def test_responses_sharing_a_prompt_encode_its_image_once(vl, monkeypatch):
-    """Three responses of one image prompt share its multi_modal_inputs dict (as trainer.py builds them) beside a
-    second image prompt with two: the plan keeps each prompt's responses together, each image goes through the
-    vision tower once per micro-batch, and log-probs and gradients equal the plain per-sequence forward."""
+    """Three responses of one image prompt share its pixel tensors (each in a dict of its own, as after Ray hands
+    the samples to a worker) beside a second image prompt with two: the plan keeps each prompt's responses together,
+    each image goes through the vision tower once per micro-batch, and log-probs and gradients equal the plain
+    per-sequence forward."""
     first, second = vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, (112, 56), 3, 2)
-    samples = [{**first, "response_ids": first["response_ids"][:k]} for k in (5, 2, 4)] + \
-              [{**second, "response_ids": r} for r in ([20, 21, 22], [23])]
+    def response(prompt, ids):
+        return {**prompt, "response_ids": ids, "multi_modal_inputs": dict(prompt["multi_modal_inputs"])}
+
+    samples = [response(first, first["response_ids"][:k]) for k in (5, 2, 4)] + \
+              [response(second, ids) for ids in ([20, 21, 22], [23])]
     samples = [samples[i] for i in (0, 3, 1, 4, 2)]  # interleaved, as a shuffled batch would be
     a = make_actor(vl.path, global_batch_size=5)  # one mini-batch
     assert sorted(map(sorted, a._plan(samples, "update"))) == [[0, 1, 2, 3, 4]]
     tower = modeling.vision_tower(a.hf)
     patches = []
-    monkeypatch.setattr(tower, "forward", lambda x, *args, _f=tower.forward, **kw: patches.append(len(x)) or _f(x, *args, **kw))
+    forward = tower.forward
+    monkeypatch.setattr(tower, "forward", lambda x, *args, **kw: patches.append(len(x)) or forward(x, *args, **kw))
     logps = a.compute_log_probs(samples)
-    expected_patches = int(first["multi_modal_inputs"]["image_grid_thw"].prod() + second["multi_modal_inputs"]["image_grid_thw"].prod())
-    assert patches == [expected_patches]  # one call, each distinct image once
+    grids = [p["multi_modal_inputs"]["image_grid_thw"] for p in (first, second)]
+    assert patches == [int(grids[0].prod() + grids[1].prod())]  # one call, each distinct image once
     weights = token_weights(samples)
     packed_backward(a, samples, weights)
     vl.model.zero_grad()
