@@ -16,12 +16,13 @@ What it builds, deterministically from a seed, in a few seconds, cached under `r
                 configs start from these, as a real GRPO run starts from an instruction-tuned model.
   colors/       train.parquet / test.parquet in the Geometry3K schema (`problem` with `<image>`,
                 `answer`, `images` as a list of {"bytes": png}): name the colour of the square.
-  sums/         train.parquet / test.parquet, text only: "What is 3 + 4 ?" -> "7".
+  sums/         train.parquet / test.parquet, text only: "What is 3 + 4?" -> "7" (each sum 0-8 equally often).
   video_colors/ train.parquet / test.parquet with a `videos` column (MP4 bytes, 4 frames at 2 fps) and
                 `<video>` in `problem`: which colour the square has in most frames (3 of the 4).
 
-Chance on `colors` is about 1 / vocabulary for the first word of a random-init model; GRPO lifts
-greedy validation accuracy to 1.0 by step 75, in about three minutes on two CPU cores (configs/toy.yaml).
+The warm-started VL policy answers every test image in format and names one colour for all of them (greedy
+accuracy 0.19); GRPO (configs/toy.yaml) lifts greedy validation accuracy past 0.9 in about 90 steps, a few
+minutes on two CPU cores (README, "Measured").
 
 The toy world is not a stage: it is data and weights on disk, read by the stages through the same
 code paths as a real Hugging Face model and a real dataset.
