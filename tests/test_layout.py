@@ -38,3 +38,11 @@ def test_the_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "reward.py"
     bad.write_text("import os\nfrom advantage import grpo\n")
     assert stage_imports(str(bad)) == [(2, "advantage")]
+
+
+def test_every_python_file_reads_in_one_sitting():
+    """No Python file of the project (modules, tests, benchmarks) is longer than 700 lines."""
+    paths = [os.path.join(folder, name) for folder in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks"))
+             for name in sorted(os.listdir(folder)) if name.endswith(".py")]
+    long = {os.path.relpath(p, ROOT): n for p in paths if (n := sum(1 for _ in open(p))) > 700}
+    assert not long, f"files over 700 lines (split or trim them): {long}"
