@@ -427,7 +427,7 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
 
     world, tp, n = 4, 2, 3
     requests = {rank: [] for rank in range(world)}  # per rank: the prompt ids it submitted to its TP group's engine
-    barrier, shared = threading.Barrier(tp), {}
+    barriers, shared = [threading.Barrier(tp) for _ in range(world // tp)], {}  # one per TP group
 
     class FakeLLM:
         def __init__(self, rank):
@@ -450,9 +450,9 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
 
         def gather(prompts, seed):  # what torch.distributed.all_gather_object does within the TP group
             shared[rank] = prompts
-            barrier.wait()
+            barriers[rank // tp].wait()
             peers = [shared[r] for r in range(rank // tp * tp, rank // tp * tp + tp)]
-            barrier.wait()
+            barriers[rank // tp].wait()
             return [p for part in peers for p in part], sum(len(p) for p in peers[:rank % tp]), seed
 
         engine._gather_tp_group = gather
