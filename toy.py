@@ -2,6 +2,7 @@
 
     python toy.py [--root .toy]      # builds (or reuses) the toy world and prints where it went
     python toy.py --vl-3b DIR        # a random-init 3B-sized Qwen2.5-VL with the toy tokenizer (GPU timing)
+    python toy.py --vl-7b DIR        # the same, 7B-sized
 
 What it builds, deterministically from a seed, in a few seconds, cached under `root`:
 
@@ -159,8 +160,9 @@ def _tokenizer_corpus():
     return (colors + lines) * 50
 
 
-# Qwen2.5-VL shapes: the toy (fp32, untied, small images) and Qwen2.5-VL-3B-Instruct's (bf16, tied; about
-# 3.8 B parameters, 7.5 GB on disk), the latter for timing the loop on a GPU with the toy tasks' data.
+# Qwen2.5-VL shapes: the toy (fp32, untied, small images), Qwen2.5-VL-3B-Instruct's (bf16, tied; about 3.8 B
+# parameters, 7.5 GB on disk) and Qwen2.5-VL-7B-Instruct's (bf16, untied; about 8.3 B parameters, 16.6 GB), the
+# latter two for timing the loop on a GPU with the toy tasks' data.
 VL_SHAPES = {
     "toy": dict(
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -176,12 +178,20 @@ VL_SHAPES = {
         vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                     window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
         tied=True, dtype="bfloat16", pixels={}),
+    "7b": dict(
+        text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                    window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+        tied=False, dtype="bfloat16", pixels={}),
 }
 
 
 def build_vl_model(path, tokenizer, seed, shape="toy", device="cpu"):
     """A random-init Qwen2.5-VL of VL_SHAPES[shape] with `tokenizer`, saved as a Hugging Face folder with its
-    processor and generation config. For "3b" pass build_tokenizer(pad_to=151936), Qwen's vocabulary size."""
+    processor and generation config. For "3b" pass build_tokenizer(pad_to=151936), for "7b" pad_to=152064: Qwen's
+    vocabulary sizes."""
     import torch
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
                               Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
@@ -378,11 +388,13 @@ if __name__ == "__main__":
     parser.add_argument("--root", default=".toy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vl-3b", metavar="DIR", help="instead: build a random-init 3B-sized Qwen2.5-VL in DIR")
+    parser.add_argument("--vl-7b", metavar="DIR", help="instead: build a random-init 7B-sized Qwen2.5-VL in DIR")
     args = parser.parse_args()
-    if args.vl_3b:
+    if args.vl_3b or args.vl_7b:
         import torch
 
-        print(build_vl_model(args.vl_3b, build_tokenizer(pad_to=151936), args.seed, "3b",
+        shape, vocab = ("3b", 151936) if args.vl_3b else ("7b", 152064)
+        print(build_vl_model(args.vl_3b or args.vl_7b, build_tokenizer(pad_to=vocab), args.seed, shape,
                              "cuda" if torch.cuda.is_available() else "cpu"))
     else:
         print(json.dumps(ensure_toy(args.root, args.seed), indent=2))

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # trainer.py on GPUS GPUs of one machine with the vLLM engine, a few steps each:
 #   1. the toy world (configs/toy.yaml, bf16 compute);
-#   2. a random-init 3B-sized Qwen2.5-VL (python toy.py --vl-3b) on the toy colours task, its images scaled
-#      up to 512 x 512 (324 image tokens), BATCH prompts x 5 responses of up to 512 tokens per step, two
-#      updates per step, full fine-tuning (fp32 weights and AdamW state, bf16 compute), a model-only save
-#      at the end.
+#   2. a random-init 3B-sized Qwen2.5-VL (python toy.py --vl-3b; RUNS=7b: the 7B-sized one, --vl-7b) on the
+#      toy colours task, its images scaled up to 512 x 512 (324 image tokens), BATCH prompts x 5 responses of up
+#      to 512 tokens per step, two updates per step, full fine-tuning (fp32 weights and AdamW state, bf16
+#      compute), a model-only save at the end.
 # Then prints seconds per step and the per-stage timings (median over the steps after the first) of each, with
 # perf/throughput (prompt + response tokens / step seconds / GPUs, EasyR1's tokens/s/GPU), perf/mfu_actor and the
 # peak device memory of each phase (perf/peak_device_memory_gb/*). COMPONENTS=1 then times the bare parts of the
 # 3B step on the same shapes (benchmarks/actor_paths.py --generate: vLLM generate, log-prob pass, update).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
-#   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B-sized run
+#   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B/7B-sized run
+#   EXTRA="worker.actor.fsdp.torch_dtype=bf16 worker.actor.optim.strategy=adamw_bf16" BATCH=16 RUNS=7b ...
 set -euo pipefail
 OUT=${1:-/tmp/trainer_gpu}
+MODELS=${MODELS:-$OUT}      # where the random-init 3B/7B-sized models are built (once) and reused
 STEPS=${STEPS:-6}
 GPUS=${GPUS:-1}
 BATCH=${BATCH:-64}
-RUNS=${RUNS:-"toy 3b"}     # RUNS=3b: only the 3B-sized run
+RUNS=${RUNS:-"toy 3b"}     # RUNS=3b: only the 3B-sized run; RUNS=7b: the 7B-sized one
 GPU="trainer.device=cuda trainer.n_gpus_per_node=$GPUS worker.rollout.name=vllm worker.rollout.dtype=bf16
      worker.actor.fsdp.torch_dtype=null worker.actor.fsdp.mp_param_dtype=bf16 worker.ref.fsdp.mp_param_dtype=bf16
      trainer.val_before_train=false trainer.val_freq=-1 worker.rollout.disable_tqdm=true"
@@ -27,16 +29,18 @@ python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS traine
     worker.rollout.gpu_memory_utilization=0.2
 fi
 
-if [[ $RUNS == *3b* ]]; then
-[ -f $OUT/qwen25vl-3b/config.json ] || python toy.py --vl-3b $OUT/qwen25vl-3b
-python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS trainer.save_checkpoint_path=$OUT/3b \
-    worker.actor.model.model_path=$OUT/qwen25vl-3b worker.actor.model.enable_gradient_checkpointing=true \
+for SIZE in 3b 7b; do
+if [[ " $RUNS " == *" $SIZE "* ]]; then
+[ -f $MODELS/qwen25vl-$SIZE/config.json ] || python toy.py --vl-$SIZE $MODELS/qwen25vl-$SIZE
+python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS trainer.save_checkpoint_path=$OUT/$SIZE \
+    worker.actor.model.model_path=$MODELS/qwen25vl-$SIZE worker.actor.model.enable_gradient_checkpointing=true \
     worker.actor.optim.lr=1e-6 worker.actor.optim.weight_decay=0.01 worker.actor.max_tokens_per_micro_batch=16384 \
     data.min_pixels=262144 data.max_pixels=262144 data.max_prompt_length=512 data.max_response_length=512 \
     data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
     worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
     trainer.save_freq=-1 trainer.save_model_only=true ${EXTRA:-}
 fi
+done
 
 if [[ ${COMPONENTS:-0} == 1 ]]; then
 python benchmarks/actor_paths.py --modes fp32 --samples $((BATCH * 5)) --prompt 340 --response 512 \
