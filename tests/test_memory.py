@@ -236,7 +236,8 @@ def _offload_main(rank, world, port, model_path, lora, out_path):
 def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path, world, lora):
     """FSDP2 on `world` GPUs: with offload, parameters and optimizer state are on the CPU after construction and
     after every pass, on the GPU after onload(optimizer=True); the device then holds them (allocated bytes rise by
-    at least their size) and gives them back on offload(). The weights after two updates match a run without."""
+    at least their size) and gives them back on offload(), holding at least that much less than the same passes
+    without offload. The weights after two updates match a run without."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     with socket.socket() as s:
@@ -258,7 +259,11 @@ def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path,
     params, state, size = memory["onload"][0]
     assert params == {"cuda"} and state == {"cuda"}, ("onload", params, state)
     assert memory["onload"][1] - memory["offload"][1] >= size, (size, memory)
-    assert memory["offload"][1] < 0.1 * size, (size, memory)
+    # The device keeps more than the model between passes (cuBLAS workspaces, 32 MiB a handle on Hopper): the same
+    # passes without offload hold at least the parameters (and optimizer state) more than with it.
+    allocated = {phase: a for phase, _, a in results[False][0]}
+    for phase in ("log_probs", "update", "offload"):
+        assert allocated[phase] - memory[phase][1] >= memory[phase][0][2], (phase, memory, allocated)
     without = {phase: where for phase, where, _ in results[False][0]}
     assert without["update"][0] == {"cuda"} and without["update"][1] == {"cuda"}, without["update"]
     for name, tensor in results[True][1].items():
