@@ -11,10 +11,8 @@ What the trainer calls:
     for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
     state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
 
-Pieces, usable alone: load_rows(spec, cfg) -> Rows; PromptBuilder(cfg, processor, model_path) with
-.build(row, index, where) -> prompt and .measure(row, where) -> length; check_rows(rows, builder, workers);
-process_image(image, min_pixels, max_pixels); process_video(video, min_pixels, max_pixels, fps).
-Bad input raises DataError (a ValueError) that names the file and row.
+Pieces, usable alone: load_rows, check_rows, PromptBuilder (.build -> prompt, .measure -> length),
+process_image, process_video. Bad input raises DataError (a ValueError) that names the file and row.
 
 The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built lazily per batch, ragged:
     uid                 str         f"{epoch}-{index}": unique per prompt within a run (the trainer may overwrite)
@@ -37,14 +35,15 @@ The same decoded pixels go to the rollout engine and, through the processor, to 
 
 Config attributes read (DataConfig, documented in configs/geo3k.yaml): prompt_key, answer_key, image_key,
 video_key, image_dir, video_fps, max_prompt_length, format_prompt, override_chat_template, system_prompt,
-seed, min_pixels, max_pixels (per image and per video frame, as in EasyR1), filter_overlong_prompts,
-filter_overlong_prompts_workers, skip_bad_rows. The files, batch sizes and shuffle come as arguments.
-Relative paths (sources, templates) are tried from the working directory, then from this file's folder.
+seed, min_pixels, max_pixels (per image and per video frame), filter_overlong_prompts,
+filter_overlong_prompts_workers, skip_bad_rows. Relative paths (sources, templates) are tried from the
+working directory, then from this file's folder.
 """
 
 import bisect
 import contextlib
 import io
+import itertools
 import logging
 import math
 import multiprocessing
@@ -67,13 +66,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
 VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES = 4, 768  # bounds on the sampled frames of a video (qwen-vl-utils')
+_MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
 
 
 class DataError(ValueError):
     """Bad input data; the message names the file and row and says what to change."""
 
 
-def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
+def load_processor(tokenizer_path, cfg, trust_remote_code=False):
     """(processor, tokenizer). A vision model's AutoProcessor; for a text model the tokenizer stands in as
     the processor (same apply_chat_template and __call__). cfg.override_chat_template, when set, replaces
     the chat template of both, so the trainer decodes with the tokenizer the prompts were built with."""
@@ -81,7 +81,7 @@ def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
     auto = AutoProcessor if getattr(config, "vision_config", None) is not None else AutoTokenizer
     processor = auto.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
-    if cfg is not None and cfg.override_chat_template:
+    if cfg.override_chat_template:
         processor.chat_template = tokenizer.chat_template = _read_text(cfg.override_chat_template,
                                                                        "data.override_chat_template")
     return processor, tokenizer
@@ -89,14 +89,11 @@ def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
 
 class PromptLoader:
     """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for.
-
-    At start-up: load_rows(files), then check_rows measures every row (bad rows fail here, not mid-run) and,
-    with filter_overlong_prompts, drops the overlong ones.
-    Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e)
-    (in file order without shuffle), cut into batches of `batch_size` (-1 = all rows in one batch);
-    drop_last drops the short tail. The position is (current_epoch, batch): state_dict() saves it and
-    load_state_dict() restores it, so a resumed loader yields exactly the batches an uninterrupted one would.
-    """
+    The rows are loaded and checked at start-up (load_rows, check_rows). Epoch e visits the kept rows in the
+    order torch.randperm(n, generator seeded seed * 1_000_003 + e) (in file order without shuffle), cut into
+    batches of `batch_size` (-1 = all rows in one batch); drop_last drops the short tail. The position is
+    (current_epoch, batch): state_dict() saves it and load_state_dict() restores it, so a resumed loader yields
+    exactly the batches an uninterrupted one would."""
 
     def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
         self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
@@ -111,8 +108,7 @@ class PromptLoader:
 
     @property
     def batches_per_epoch(self):
-        n = len(self.indices)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return (math.floor if self.drop_last else math.ceil)(len(self.indices) / self.batch_size)
 
     def __iter__(self):
         return self
@@ -143,15 +139,12 @@ class PromptLoader:
         self.current_epoch, self.batch = state["epoch"], state["batch"]
 
     def _make_batch(self, epoch, b):
-        order = range(len(self.indices))
+        order = self.indices
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(len(order), generator=generator).tolist()
-        batch = []
-        for k in order[b * self.batch_size:(b + 1) * self.batch_size]:
-            i = self.indices[k]
-            batch.append({**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"})
-        return batch
+            order = [self.indices[k] for k in torch.randperm(len(order), generator=generator).tolist()]
+        return [{**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"}
+                for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
@@ -159,11 +152,20 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     bad row fails here and not mid-run (and again on every resume):
       - a bad row (unreadable image or video, null answer, empty prompt, placeholder count mismatch): DataError
         naming the file and row, or with skip_bad (data.skip_bad_rows) skipped and counted in the log;
-      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts; without it a
-        bad row.
+      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts, else a bad row.
     `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
+    global _MEASURING
     cfg, limit = builder.cfg, builder.cfg.max_prompt_length
-    lengths = _measure_rows(rows, builder, workers)  # per row: its length, or the error message of a bad row
+    _MEASURING, workers = (rows, builder), max(1, min(workers, len(rows)))
+    try:  # per row: its length, or the error message of a bad row
+        if workers == 1:
+            lengths = [_measure_row(i) for i in range(len(rows))]
+        else:  # nothing is pickled but the indices
+            fork = multiprocessing.get_context("fork")
+            with fork.Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                lengths = pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
+    finally:
+        _MEASURING = None
     overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
     if not cfg.filter_overlong_prompts:
         for i in overlong:
@@ -187,22 +189,8 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     return kept
 
 
-def _measure_rows(rows, builder, workers):
-    """[builder.measure(row) or the DataError's message] for every row, in `workers` forked processes."""
-    global _MEASURING
-    _MEASURING = (rows, builder)  # inherited by the forked workers: nothing is pickled but the indices
-    workers = max(1, min(workers, len(rows)))
-    try:
-        if workers == 1:
-            return [_measure_row(i) for i in range(len(rows))]
-        fork = multiprocessing.get_context("fork")
-        with fork.Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            return pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
-    finally:
-        _MEASURING = None
-
-
 def _measure_row(i):
+    """builder.measure(row i), or the DataError's message for a bad row; check_rows sets _MEASURING."""
     rows, builder = _MEASURING
     try:
         return builder.measure(rows[i], rows.where(i))
@@ -259,7 +247,7 @@ class PromptBuilder:
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
                 "multi_modal_inputs": {k: out[k] for k in MM_KEYS if k in out}, "position_ids": position_ids,
-                "ground_truth": str(self.answer(row, where)), "extra": {k: v for k, v in row.items() if k not in skip}}
+                "ground_truth": str(row[cfg.answer_key]), "extra": {k: v for k, v in row.items() if k not in skip}}
 
     def encode(self, row, where):
         """(text, raw_ids, the processor's output, resized images, each video's frames, their metadata)."""
@@ -294,38 +282,32 @@ class PromptBuilder:
         return out
 
     def measure(self, row, where):
-        """The length build() will give, checking the row on the way (answer, placeholders, every image decoded
-        once: a truncated body fails here). Tokens of the unexpanded text plus, per image, its token count
-        minus the one placeholder, from the size after process_image's resize through the image processor's
-        own get_number_of_image_patches (no resize, no processor call). A row with videos is encoded whole."""
+        """The length build() will give, checking the row on the way (every image decoded once: a truncated body
+        fails here). Tokens of the unexpanded text plus, per image, its token count minus the one placeholder,
+        from the size after process_image's resize through the image processor's own
+        get_number_of_image_patches (no resize, no processor call). A row with videos is encoded whole."""
+        cfg = self.cfg
         text, images, videos = self.prompt_text(row, where)
-        self.answer(row, where)
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        cfg = self.cfg
         for width, height in self.decode(where, "image", images, _image_size, cfg.min_pixels, cfg.max_pixels,
                                          cfg.image_dir):
             patches = self.image_processor.get_number_of_image_patches(height, width, {})
             n += patches // self.image_processor.merge_size ** 2 - 1
         return n
 
-    def answer(self, row, where):
-        answer = row.get(self.cfg.answer_key)
-        if answer is None:
-            raise DataError(f"{where}: no answer in column '{self.cfg.answer_key}'")
-        return answer
-
     def prompt_text(self, row, where):
-        """(chat-templated text with one placeholder per image and video, the row's images, its videos; unopened).
-
-        The prompt column goes through the format template (`content` = the text), then `<image>` and `<video>`
-        marks split it into image, video and text parts in order; an optional system message comes first; the
-        chat template adds the generation prompt."""
+        """(chat-templated text with one placeholder per image and video, the row's images, its videos; unopened),
+        checking the prompt, answer and placeholders. The prompt column goes through the format template
+        (`content` = the text), then `<image>` and `<video>` marks split it into parts in order; an optional
+        system message comes first."""
         cfg = self.cfg
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
+        if row.get(cfg.answer_key) is None:
+            raise DataError(f"{where}: no answer in column '{cfg.answer_key}'")
         if self.template is not None:
             content = self.template.render(content=content)
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
@@ -351,7 +333,6 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     paths are joined to image_dir). Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by
     s = sqrt(min_pixels / (w h)) rounds sides up, so the bounds hold exactly; sizes in range are kept."""
     image = _open_image(image, image_dir)
-    image.load()
     size = _target_size(image.width, image.height, min_pixels, max_pixels)
     if size != image.size:
         image = image.resize(size)
@@ -409,17 +390,18 @@ def _target_size(width, height, min_pixels, max_pixels):
 
 
 def _image_size(image, min_pixels, max_pixels, image_dir):
-    """process_image's output size: the image decoded (a truncated body fails here), not resized."""
+    """process_image's output size, without resizing."""
     opened = _open_image(image, image_dir)
-    opened.load()
     if opened is not image:
         opened.close()
     return _target_size(*opened.size, min_pixels, max_pixels)
 
 
 def _open_image(image, image_dir):
-    """A lazily opened PIL image (only the header is read) from any accepted form."""
-    return image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
+    """A decoded PIL image (a truncated body fails here) from any accepted form."""
+    image = image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
+    image.load()
+    return image
 
 
 def _source(item, image_dir, what="a video"):
@@ -439,9 +421,7 @@ class Rows:
 
     def __init__(self, name, parts):
         self.name, self.parts = name, parts  # parts: [(file or hub id, datasets.Dataset)]
-        self.starts = [0]
-        for _, part in parts:
-            self.starts.append(self.starts[-1] + len(part))
+        self.starts = [0, *itertools.accumulate(len(part) for _, part in parts)]  # part k: starts[k] <= i < starts[k+1]
 
     def __len__(self):
         return self.starts[-1]
