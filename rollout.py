@@ -4,7 +4,7 @@
                           device="cuda")                       # cfg.name picks ENGINES["hf" | "vllm"]
     engine.load_weights(actor.named_tensors())                 # after every update (HF names, one at a time)
     engine.wake_up()
-    seed = derive_seed(cfg.seed, step, dp_rank)                # reproducible, never the same stream twice
+    seed = derive_seed(cfg.seed, step, round, dp_rank)         # reproducible, never the same stream twice
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=max_response_length, seed=seed)
     engine.sleep()                                             # give the memory back to the actor
 
@@ -13,7 +13,7 @@ dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization,
 enable_chunked_prefill, tensor_parallel_size, max_model_len, max_num_batched_tokens, disable_log_stats,
 disable_tqdm, and limit_videos (not a key: the trainer sets it to the most videos in one row of the data).
 Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps decoding past EOS
-(throughput runs); the response is still cut after its first EOS, as EasyR1's mask does.
+(throughput runs); the response is still cut after its first EOS.
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, concatenated over the
@@ -28,49 +28,51 @@ Each response is a dict:
                                 (after the placeholder ban, temperature, top-k and top-p), same length
     finish_reason:  "stop" | "length"   (length = no EOS within max_tokens: truncated)
 generate(prompts, n) returns len(prompts) * n of them, grouped: prompt i owns positions i*n .. i*n+n-1.
-Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j): n requests, not one with n
-samples. The image and video placeholder tokens are banned: a sampled one would break the actor's forward.
+Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j). The image and video
+placeholder tokens are banned: a sampled one would break the actor's forward.
 
-Both engines hold their OWN full copy of the weights (LoRA arrives merged). Generation never runs on the
-FSDP-sharded training module: ranks decode different numbers of steps, and a sharded forward would deadlock
-in its all-gathers.
+Both engines hold their OWN full copy of the weights (LoRA arrives merged): ranks decode different numbers of
+steps, and a forward of the FSDP-sharded training module would deadlock in its all-gathers.
 """
 
+import functools
 import hashlib
 import inspect
 import warnings
 
 import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
 
 
-def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, dtype=None,
-                 tokenizer_path=None, batch_size=64):
-    """The engine named by cfg.name. dtype (default cfg.dtype): bf16 | fp16 | fp32; use fp32 for hf on CPU.
-    tokenizer_path: where the generation config / tokenizer live if not in model_path. batch_size: hf only,
-    sequences decoded together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
+def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path=None,
+                 batch_size=64):
+    """The engine named by cfg.name, in cfg.dtype (bf16 | fp16 | fp32; fp32 for hf on CPU). tokenizer_path:
+    where the generation config / tokenizer live if not in model_path. batch_size: hf only, sequences decoded
+    together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
     if cfg.name not in ENGINES:
         raise ValueError(f"worker.rollout.name={cfg.name!r} is not one of {sorted(ENGINES)}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"worker.rollout.dtype={cfg.dtype!r} is not one of {sorted(DTYPES)}")
     return ENGINES[cfg.name](cfg, model_path, max_prompt_length=max_prompt_length, device=device,
-                             max_response_length=max_response_length, dtype=dtype or cfg.dtype,
-                             tokenizer_path=tokenizer_path or model_path, batch_size=batch_size)
+                             max_response_length=max_response_length, tokenizer_path=tokenizer_path or model_path,
+                             batch_size=batch_size)
 
 
 def sampling_settings(cfg, override=None):
     """{n, temperature, top_p, top_k} from the config, replaced by `override` (e.g. val_override_config)."""
-    settings = {key: getattr(cfg, key) for key in SAMPLING_KEYS}
     unknown = sorted(set(override or {}) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"worker.rollout.val_override_config: unknown key(s) {unknown}; allowed {list(SAMPLING_KEYS)}")
-    settings.update(override or {})
-    return settings
+    return {**{key: getattr(cfg, key) for key in SAMPLING_KEYS}, **(override or {})}
 
 
 def derive_seed(*parts):
-    """A 62-bit seed from any ints/strings, stable across processes and Python versions (unlike hash()).
-    The trainer calls derive_seed(cfg.seed, step, dp_rank); the engines derive_seed(seed, prompt, sample)."""
+    """A 62-bit seed from any ints/strings, stable across processes and Python versions (unlike hash())."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
@@ -83,15 +85,15 @@ class HFRollout:
     from the prompt (data.py's mrope rows for Qwen-VL) and continue at last_prompt_position + 1, + 2, ... on
     every row, exactly as the actor extends them, so batched and one-by-one generation agree."""
 
-    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, dtype,
-                 tokenizer_path, batch_size=64):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
+    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
+                 batch_size=64):
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
         remote = getattr(cfg, "trust_remote_code", False)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
         self.is_vl = getattr(config, "vision_config", None) is not None
         model_class = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
-        self.model = model_class.from_pretrained(model_path, dtype=_torch_dtype(dtype),
+        self.model = model_class.from_pretrained(model_path, dtype=DTYPES[cfg.dtype],
                                                  trust_remote_code=remote).to(device).eval()
         self.model.requires_grad_(False)
         self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path, remote)
@@ -119,15 +121,12 @@ class HFRollout:
     @torch.no_grad()
     def _generate_batch(self, prompts, rows, temperature, top_p, top_k, max_tokens, seed):
         dev, B = self.device, len(rows)
-        P = max(len(prompts[i]["prompt_ids"]) for i, _ in rows)
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)    # [B, P] left-padded
-        mask = torch.zeros((B, P), dtype=torch.long, device=dev)                     # [B, P] 1 = real token
-        positions = torch.zeros((self.position_rows, B, P), dtype=torch.long, device=dev)  # [R, B, P]
-        for b, (i, _) in enumerate(rows):
-            ids = prompts[i]["prompt_ids"]
-            input_ids[b, P - len(ids):] = torch.as_tensor(ids, device=dev)
-            mask[b, P - len(ids):] = 1
-            positions[:, b, P - len(ids):] = self._prompt_positions(prompts[i], i)
+        left_pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True, padding_side="left")
+        ids = [torch.as_tensor(prompts[i]["prompt_ids"]) for i, _ in rows]
+        input_ids = left_pad(ids, padding_value=self.pad_id).to(dev)                 # [B, P]
+        mask = left_pad([torch.ones_like(x) for x in ids]).to(dev)                   # [B, P] 1 = real token
+        positions = left_pad([self._prompt_positions(prompts[i], i).T for i, _ in rows])  # [B, P, R]
+        positions = positions.permute(2, 0, 1).to(dev)                               # [R, B, P]
         # Per-image tensors concatenated in row order: the placeholders are filled in that order.
         mm = {}
         for i, _ in rows:
@@ -165,20 +164,15 @@ class HFRollout:
 
     def _prompt_positions(self, prompt, index):
         """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
-        length = len(prompt["prompt_ids"])
-        positions = prompt.get("position_ids")
-        if positions is None:
-            if prompt.get("multi_modal_inputs"):
-                raise ValueError(f"prompt {index} (uid {prompt.get('uid')}) has images but no position_ids: "
-                                 f"the hf rollout needs data.py's mrope position_ids [4, P] for image prompts")
-            positions = torch.arange(length)[None]
-        positions = torch.as_tensor(positions)
-        if positions.shape[0] == 1:
-            positions = positions.expand(self.position_rows, -1)
-        if positions.shape != (self.position_rows, length):
+        length, positions = len(prompt["prompt_ids"]), prompt.get("position_ids")
+        if positions is None and prompt.get("multi_modal_inputs"):
+            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}) has images but no position_ids: "
+                             f"the hf rollout needs data.py's mrope position_ids [4, P] for image prompts")
+        positions = torch.arange(length)[None] if positions is None else torch.as_tensor(positions)
+        if positions.shape not in ((1, length), (self.position_rows, length)):
             raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids has shape "
                              f"{tuple(positions.shape)}, expected ({self.position_rows}, {length}) or (1, {length})")
-        return positions
+        return positions.expand(self.position_rows, -1)
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -251,19 +245,17 @@ class VLLMRollout:
     load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
     Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests. Each rank passes its
     own prompts; generate() all-gathers them over the TP group, generates once, and returns this rank's
-    share, with the group's first rank's seed. LoRA: sync merged weights (the supported path).
-    Needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) that the trainer's
-    workers have; checked on vLLM 0.24.0.
+    share, with the group's first rank's seed. Needs the torch.distributed environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) that the trainer's workers have; checked on vLLM 0.24.0.
     """
 
-    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, dtype,
-                 tokenizer_path, batch_size=None):
+    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
+                 batch_size=None):
         try:
             import vllm
         except ImportError as error:
             raise ImportError("worker.rollout.name=vllm needs vLLM >= 0.11: pip install -r requirements-gpu.txt "
                               "(or set worker.rollout.name=hf)") from error
-        from transformers import AutoConfig
 
         self.cfg, self.max_response_length = cfg, max_response_length
         remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
@@ -279,7 +271,7 @@ class VLLMRollout:
         extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
         self.llm = vllm.LLM(
             model=model_path, tokenizer=tokenizer_path, load_format="dummy",
-            dtype=str(_torch_dtype(dtype)).removeprefix("torch."),
+            dtype=str(DTYPES[cfg.dtype]).removeprefix("torch."),
             distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
             enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
@@ -300,30 +292,27 @@ class VLLMRollout:
         max_tokens = max_tokens or self.max_response_length
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="raw_prompt_ids")
         self.wake_up()
-        mine = [{"raw_prompt_ids": list(p["raw_prompt_ids"]), "images": list(p.get("images") or []),
-                 "videos": list(p.get("videos") or []), "video_metadata": list(p.get("video_metadata") or []),
-                 "uid": p["uid"]} for p in prompts]
+        mine = [{key: list(p.get(key) or []) for key in ("raw_prompt_ids", "images", "videos", "video_metadata")}
+                | {"uid": p["uid"]} for p in prompts]  # only what vLLM needs travels to the TP peers
         group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
-        if not group:
-            return []
         requests, params = [], []
         for i, prompt in enumerate(group):
-            for j in range(n):
-                request = {"prompt_token_ids": prompt["raw_prompt_ids"], "multi_modal_data": {}}
-                if prompt["images"]:
-                    request["multi_modal_data"]["image"] = prompt["images"]
-                if prompt["videos"]:  # frames sampled by data.py: vLLM must not sample again
-                    videos = zip(prompt["videos"], prompt["video_metadata"])
-                    request["multi_modal_data"]["video"] = ([(v, {**m, "do_sample_frames": False}) for v, m in videos]
-                                                            if self.video_metadata else prompt["videos"])
-                if not request["multi_modal_data"]:
-                    del request["multi_modal_data"]
+            request = {"prompt_token_ids": prompt["raw_prompt_ids"], "multi_modal_data": {}}
+            if prompt["images"]:
+                request["multi_modal_data"]["image"] = prompt["images"]
+            if prompt["videos"]:  # frames sampled by data.py: vLLM must not sample again
+                videos = zip(prompt["videos"], prompt["video_metadata"])
+                request["multi_modal_data"]["video"] = ([(v, {**m, "do_sample_frames": False}) for v, m in videos]
+                                                        if self.video_metadata else prompt["videos"])
+            if not request["multi_modal_data"]:
+                del request["multi_modal_data"]
+            for j in range(n):  # n requests of one sample each, every one with its own seed
                 requests.append(request)
                 params.append(self.SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                     seed=derive_seed(seed, i, j), logprobs=0, detokenize=False, ignore_eos=self.cfg.ignore_eos,
                     stop_token_ids=[] if self.cfg.ignore_eos else list(self.eos_ids), logit_bias=self.bias))
-        outputs = self.llm.generate(requests, params, use_tqdm=not self.cfg.disable_tqdm)
+        outputs = self.llm.generate(requests, params, use_tqdm=not self.cfg.disable_tqdm) if requests else []
         responses = []
         for k in range(offset * n, (offset + len(prompts)) * n):  # this rank's share, in order
             completion = outputs[k].outputs[0]
@@ -392,18 +381,13 @@ def _vllm_internals(llm):
 
 def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
     """A response dict cut after its first EOS ("stop"); without one it is truncated ("length")."""
-    for t, token in enumerate(token_ids):
-        if token in eos_ids:
-            return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids[:t + 1]),
-                    "logprobs": list(logprobs[:t + 1]), "finish_reason": "stop"}
-    return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids),
-            "logprobs": list(logprobs), "finish_reason": "length"}
+    end = next((t + 1 for t, token in enumerate(token_ids) if token in eos_ids), None)
+    return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids[:end]),
+            "logprobs": list(logprobs[:end]), "finish_reason": "length" if end is None else "stop"}
 
 
 def _special_ids(config, tokenizer_path, trust_remote_code=False):
     """(EOS ids of the generation config, placeholder ids to ban, pad id)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
     try:
         generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = generation.eos_token_id, generation.pad_token_id
@@ -427,14 +411,6 @@ def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
         missing = [k for k in (key, "uid") if k not in prompt]
         if missing:
             raise KeyError(f"prompt {i} lacks {missing} (has {sorted(prompt)}); data.py makes them")
-
-
-def _torch_dtype(name):
-    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-              "fp32": torch.float32, "float32": torch.float32}
-    if name not in dtypes:
-        raise ValueError(f"worker.rollout.dtype={name!r} is not one of {sorted(dtypes)}")
-    return dtypes[name]
 
 
 ENGINES = {"hf": HFRollout, "vllm": VLLMRollout}
