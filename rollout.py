@@ -9,11 +9,10 @@
     engine.sleep()                                             # give the memory back to the actor
 
 Config attributes read (RolloutConfig, documented in configs/geo3k.yaml): name, n, temperature, top_p, top_k,
-dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization, enforce_eager,
-enable_chunked_prefill, tensor_parallel_size, max_model_len, max_num_batched_tokens, disable_log_stats,
-disable_tqdm, and limit_videos (not a key: the trainer sets it to the most videos in one row of the data).
-Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps decoding past EOS
-(throughput runs); the response is still cut after its first EOS.
+dtype, ignore_eos (decode past EOS, for throughput runs; the response is still cut there), and for vllm seed,
+limit_images, gpu_memory_utilization, enforce_eager, enable_chunked_prefill, tensor_parallel_size,
+max_model_len, max_num_batched_tokens, disable_log_stats, disable_tqdm and limit_videos (not a key: the trainer
+sets it to the most videos in one row of the data). Validation passes sampling_settings(cfg, val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, concatenated over the
@@ -41,7 +40,8 @@ import inspect
 import warnings
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache,
+                          GenerationConfig)
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -87,19 +87,17 @@ class HFRollout:
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=64):
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
-
         remote = getattr(cfg, "trust_remote_code", False)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
-        self.is_vl = getattr(config, "vision_config", None) is not None
-        model_class = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
+        is_vl = getattr(config, "vision_config", None) is not None
+        model_class = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
         self.model = model_class.from_pretrained(model_path, dtype=DTYPES[cfg.dtype],
                                                  trust_remote_code=remote).to(device).eval()
         self.model.requires_grad_(False)
         self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path, remote)
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
         self.ignore_eos = cfg.ignore_eos
-        self.position_rows = 4 if self.is_vl else 1  # text row + 3 mrope rows for Qwen-VL
+        self.position_rows = 4 if is_vl else 1  # text row + 3 mrope rows for Qwen-VL
         self.new_cache = lambda: DynamicCache(config=config.get_text_config())
         # transformers renamed the forward's `past_key_values` to `cache` during 5.x; accept either.
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -182,15 +180,14 @@ class HFRollout:
         params = self.model.state_dict()  # name -> tensor sharing storage with the model (as of now)
         unknown, loaded = [], 0
         for name, tensor in named_tensors:
-            target = params.get(name)
-            if target is None:
+            if name not in params:
                 unknown.append(name)
-                continue
-            if target.shape != tensor.shape:
+            elif params[name].shape != tensor.shape:
                 raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the rollout model "
-                                 f"expects {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded += 1
+                                 f"expects {tuple(params[name].shape)}")
+            else:
+                params[name].copy_(tensor)
+                loaded += 1
         if unknown:
             raise KeyError(f"load_weights: {len(unknown)} name(s) unknown to the rollout model "
                            f"{type(self.model).__name__}: {unknown[:8]}; expected e.g. {list(params)[:3]}. "
@@ -243,11 +240,10 @@ class VLLMRollout:
 
     Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation. A step runs
     load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
-    Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests. Each rank passes its
-    own prompts; generate() all-gathers them over the TP group, generates once, and returns this rank's
-    share, with the group's first rank's seed. Needs the torch.distributed environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) that the trainer's workers have; checked on vLLM 0.24.0.
-    """
+    Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests, so generate()
+    all-gathers the group's prompts, generates once with the first rank's seed, and returns this rank's share.
+    Needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of the trainer's
+    workers; checked on vLLM 0.24.0."""
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=None):
@@ -262,8 +258,7 @@ class VLLMRollout:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
         self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path, remote)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
-        # Videos per prompt: the most in one row of the data (the trainer sets limit_videos); 0 when the data has
-        # none, so vLLM neither profiles nor reserves memory for a video.
+        # limit_videos 0 (data without videos): vLLM neither profiles nor reserves memory for a video.
         limits = {"video": getattr(cfg, "limit_videos", 0)}
         limits |= {"image": cfg.limit_images} if cfg.limit_images > 0 else {}
         # Qwen3-VL's video tokens carry timestamps: vLLM wants each video with its metadata (as EasyR1 sends it).
