@@ -126,12 +126,9 @@ class HFRollout:
         positions = left_pad([self._prompt_positions(prompts[i], i).T for i, _ in rows])  # [B, P, R]
         positions = positions.permute(2, 0, 1).to(dev)                               # [R, B, P]
         # Per-image tensors concatenated in row order: the placeholders are filled in that order.
-        mm = {}
-        for i, _ in rows:
-            for key, value in (prompts[i].get("multi_modal_inputs") or {}).items():
-                if key in MM_KEYS:
-                    mm.setdefault(key, []).append(value)
-        mm = {key: torch.cat(values).to(dev) for key, values in mm.items()}
+        inputs = [prompts[i].get("multi_modal_inputs") or {} for i, _ in rows]
+        mm = {key: torch.cat([x[key] for x in inputs if key in x]).to(dev)
+              for key in MM_KEYS if any(key in x for x in inputs)}
         generators = [torch.Generator(device=dev).manual_seed(derive_seed(seed, i, j)) for i, j in rows]
         cache = self.new_cache()
         logits = self._forward(input_ids, mask, positions, cache, mm)                # [B, vocab]
@@ -292,15 +289,11 @@ class VLLMRollout:
         group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
         requests, params = [], []
         for i, prompt in enumerate(group):
-            request = {"prompt_token_ids": prompt["raw_prompt_ids"], "multi_modal_data": {}}
-            if prompt["images"]:
-                request["multi_modal_data"]["image"] = prompt["images"]
-            if prompt["videos"]:  # frames sampled by data.py: vLLM must not sample again
-                videos = zip(prompt["videos"], prompt["video_metadata"])
-                request["multi_modal_data"]["video"] = ([(v, {**m, "do_sample_frames": False}) for v, m in videos]
-                                                        if self.video_metadata else prompt["videos"])
-            if not request["multi_modal_data"]:
-                del request["multi_modal_data"]
+            videos = prompt["videos"]
+            if videos and self.video_metadata:  # frames sampled by data.py: vLLM must not sample again
+                videos = [(v, {**m, "do_sample_frames": False}) for v, m in zip(videos, prompt["video_metadata"])]
+            media = {kind: items for kind, items in (("image", prompt["images"]), ("video", videos)) if items}
+            request = {"prompt_token_ids": prompt["raw_prompt_ids"]} | ({"multi_modal_data": media} if media else {})
             for j in range(n):  # n requests of one sample each, every one with its own seed
                 requests.append(request)
                 params.append(self.SamplingParams(
