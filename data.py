@@ -1,13 +1,9 @@
 """data.py: from a dataset on disk or on the hub to model-ready prompts, images and videos included.
 
-What the trainer calls:
-
     processor, tokenizer = load_processor(tokenizer_path, cfg.data)
-    train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path,
-                         batch_size=cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
-                         shuffle=cfg.data.shuffle, drop_last=True)   # val: val_batch_size (-1 = all rows)
+    train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path, batch_size=512, shuffle=True,
+                         drop_last=True)   # val: batch_size=-1 (all rows), shuffle=False, drop_last=False
     batch = next(train)              # a list of prompt dicts; never ends, epochs follow seamlessly
-    train.current_epoch              # the epoch the next batch belongs to (= epochs completed)
     for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
     state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
 
@@ -291,8 +287,8 @@ class PromptBuilder:
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        for width, height in self.decode(where, "image", images, _image_size, cfg.min_pixels, cfg.max_pixels,
-                                         cfg.image_dir):
+        for image in self.decode(where, "image", images, _open_image, cfg.image_dir):
+            width, height = _target_size(*image.size, cfg.min_pixels, cfg.max_pixels)
             patches = self.image_processor.get_number_of_image_patches(height, width, {})
             n += patches // self.image_processor.merge_size ** 2 - 1
         return n
@@ -389,16 +385,8 @@ def _target_size(width, height, min_pixels, max_pixels):
     return width, height
 
 
-def _image_size(image, min_pixels, max_pixels, image_dir):
-    """process_image's output size, without resizing."""
-    opened = _open_image(image, image_dir)
-    if opened is not image:
-        opened.close()
-    return _target_size(*opened.size, min_pixels, max_pixels)
-
-
 def _open_image(image, image_dir):
-    """A decoded PIL image (a truncated body fails here) from any accepted form."""
+    """A decoded PIL image from any accepted form (a truncated body fails here; a file is closed after load)."""
     image = image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
     image.load()
     return image
