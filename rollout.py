@@ -4,7 +4,7 @@
                           device="cuda")                       # cfg.name picks ENGINES["hf" | "vllm"]
     engine.load_weights(actor.named_tensors())                 # after every update (HF names, one at a time)
     engine.wake_up()
-    seed = derive_seed(cfg.seed, step, round, dp_rank)         # reproducible, never the same stream twice
+    seed = derive_seed(derive_seed(cfg.seed, step, round), dp_rank)   # a fresh, reproducible stream each time
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=max_response_length, seed=seed)
     engine.sleep()                                             # give the memory back to the actor
 
@@ -15,9 +15,9 @@ max_model_len, max_num_batched_tokens, disable_log_stats, disable_tqdm and limit
 sets it to the most videos in one row of the data). Validation passes sampling_settings(cfg, val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
-multi_modal_inputs (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, concatenated over the
-batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional for text-only prompts); vllm: raw_prompt_ids (one
-placeholder per image or video), images, videos (sampled frames [T, H, W, 3]) and video_metadata.
+multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
+for text-only prompts); vllm: raw_prompt_ids (one placeholder per image or video), images, videos (sampled
+frames [T, H, W, 3]) and video_metadata.
 
 Each response is a dict:
     prompt_index:   int         index into the prompts given to generate()
