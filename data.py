@@ -4,6 +4,7 @@
     train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path, batch_size=512, shuffle=True,
                          drop_last=True)   # val: batch_size=-1 (all rows), shuffle=False, drop_last=False
     batch = next(train)              # a list of prompt dicts; never ends, epochs follow seamlessly
+    train.current_epoch, train.batches_per_epoch     # epochs completed (the next batch's epoch); batches in one
     for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
     state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
 
@@ -152,7 +153,8 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
     global _MEASURING
     cfg, limit = builder.cfg, builder.cfg.max_prompt_length
-    _MEASURING, workers = (rows, builder), max(1, min(workers, len(rows)))
+    _MEASURING = (rows, builder)
+    workers = max(1, min(workers, len(rows)))
     try:  # per row: its length, or the error message of a bad row
         if workers == 1:
             lengths = [_measure_row(i) for i in range(len(rows))]
