@@ -290,13 +290,9 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
     found = DAPO_ANSWER.findall(sample["response"][-300:])
     answer = found[-1] if found else "[INVALID]"
     accuracy = 1.0 if minerva_normalize(answer) == minerva_normalize(sample["ground_truth"]) else -1.0
-    length, soft_start = sample["response_length"], max_response_length - overlong_buffer_length
-    if length <= soft_start:
-        overlong = 0.0
-    elif length <= max_response_length:
-        overlong = (soft_start - length) / overlong_buffer_length
-    else:
-        overlong = -1.0
+    soft_start = max_response_length - overlong_buffer_length
+    # the formula above as one clip to [-1, 0]; max(L_buf, 1): with no buffer, -1 as soon as L > L_max
+    overlong = min(max((soft_start - sample["response_length"]) / max(overlong_buffer_length, 1), -1.0), 0.0)
     return {"overall": accuracy + overlong_penalty_factor * overlong, "accuracy": accuracy,
             "overlong": overlong, "accuracy_normalized": (accuracy + 1.0) / 2.0}
 
