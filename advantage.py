@@ -42,7 +42,7 @@ def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
     """
     s = group_stats(scores, uids, allow_singletons)
     is_top = s.x == s.max[s.g]                                             # [N]
-    n_top = group_sum(is_top.double(), s.g, len(s.n))                                # [G]
+    n_top = group_reduce(is_top.double(), s.g, len(s.n))                   # [G]
     below = group_reduce(torch.where(is_top, -torch.inf, s.x), s.g, len(s.n), "amax")  # [G]
     second = torch.where(n_top > 1, s.max, below)                          # [G]
     adv = torch.where(is_top, ((s.max - second) / (s.std + eps))[s.g], 0.0)  # [N]
@@ -53,7 +53,7 @@ def rloo(scores, uids, allow_singletons=False):
     """RLOO (Ahmadian et al. 2024), a leave-one-out baseline:
     A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1)   ( = n_g / (n_g - 1) * (r_i - mean_g) )."""
     s = group_stats(scores, uids, allow_singletons)
-    adv = s.x - (group_sum(s.x, s.g, len(s.n))[s.g] - s.x) / (s.n[s.g] - 1).clamp(min=1)  # [N]
+    adv = s.x - (group_reduce(s.x, s.g, len(s.n))[s.g] - s.x) / (s.n[s.g] - 1).clamp(min=1)  # [N]
     return torch.where(s.flat[s.g], 0.0, adv).float()
 
 
@@ -69,9 +69,9 @@ def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
     tensors [L_i] or None (no KL in the reward). Token t's return carries the KL of tokens t.. only,
     and a long response weighs in the statistics by its number of tokens. Returns N float32 tensors [L_i].
     """
-    rewards = token_rewards(scores, lengths, token_kl, kl_coef)           # N x [L_i] f64
-    returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in rewards])  # [T]
-    return list(whiten(returns, eps).split(list(lengths)))
+    rewards = token_rewards(scores, lengths, token_kl, kl_coef)            # N x [L_i] f64
+    returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in rewards])   # [T]
+    return list(whiten(returns, eps).split([len(r) for r in rewards]))
 
 
 def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False):
@@ -82,7 +82,7 @@ def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False)
     Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
     """
     s = group_stats(scores, uids, allow_singletons)
-    c = torch.where(s.flat[s.g], 0.0, s.x - s.mean[s.g])                 # [N]
+    c = torch.where(s.flat[s.g], 0.0, s.x - s.mean[s.g])                  # [N]
     return torch.where(s.flat[s.g], 0.0, whiten(c, eps))
 
 
@@ -232,26 +232,21 @@ def group_stats(scores, uids, allow_singletons=False, what="score"):
     x = as_scores(scores, uids, what)
     names, g = np.unique(np.asarray(uids), return_inverse=True)
     g, names = torch.from_numpy(g.reshape(-1)).long(), names.tolist()
-    n = group_sum(torch.ones_like(x), g, len(names))
+    n = group_reduce(torch.ones_like(x), g, len(names))
     if not allow_singletons and (n == 1).any():
         lonely = [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]
         raise ValueError(f"{len(lonely)} group(s) have a single response (uid {lonely[0]!r}"
                          f"{', ...' if len(lonely) > 1 else ''}): a group baseline needs n >= 2 responses "
                          f"per prompt (worker.rollout.n), or pass allow_singletons=True to give them advantage 0")
-    mean = group_sum(x, g, len(n)) / n
-    std = torch.sqrt(group_sum((x - mean[g]) ** 2, g, len(n)) / (n - 1).clamp(min=1))
+    mean = group_reduce(x, g, len(n)) / n
+    std = torch.sqrt(group_reduce((x - mean[g]) ** 2, g, len(n)) / (n - 1).clamp(min=1))
     top = group_reduce(x, g, len(n), "amax")
     flat = top - group_reduce(x, g, len(n), "amin") <= FLAT
     return types.SimpleNamespace(x=x, g=g, names=names, n=n, mean=mean, std=std, max=top, flat=flat)
 
 
-def group_sum(x, g, n_groups):
-    """Per-group sum of x [N] -> [G]."""
-    return torch.zeros(n_groups, dtype=x.dtype).index_add_(0, g, x)
-
-
-def group_reduce(x, g, n_groups, reduce):
-    """Per-group max ("amax") or min ("amin") of x [N] -> [G]."""
+def group_reduce(x, g, n_groups, reduce="sum"):
+    """Per-group sum, max ("amax") or min ("amin") of x [N] -> [G]; g [N] holds group numbers 0..G-1."""
     return torch.zeros(n_groups, dtype=x.dtype).scatter_reduce_(0, g, x, reduce, include_self=False)
 
 
