@@ -5,14 +5,13 @@
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
     adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
-Inputs: `scores` [N] (the reward function's "overall") and `uids` [N] group ids (str or int), in any order:
-a group is every response with the same uid, never a run of positions, and permuting the inputs permutes
-the outputs. KL in the reward (algorithm.use_kl_loss = false, as EasyR1): `token_kl`, N tensors [L_i] of
-the KL estimate per response token, and its coefficient `kl_coef` (beta). REINFORCE++ subtracts beta * KL
-token by token; every other estimator sees r_i = score_i - beta * sum_t kl_{i,t} (kl_in_reward).
-Outputs: float32 [N], one advantage per response (the actor broadcasts it over the tokens); for the
-estimators in TOKEN_LEVEL, N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly
-0 from every group estimator; a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
+Inputs: `scores` [N] (the reward function's "overall") and `uids` [N] group ids (str or int), in any order: a
+group is every response with the same uid, never a run of positions. KL in the reward (algorithm.use_kl_loss =
+false, as EasyR1): `token_kl`, N tensors [L_i] of the per-token KL estimate, and its coefficient `kl_coef` (beta);
+REINFORCE++ subtracts beta * KL token by token, every other estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
+Outputs: float32 [N], one advantage per response (the actor broadcasts it over the tokens); for TOKEN_LEVEL
+estimators, N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every group
+estimator; a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
 """
 
 import types

@@ -76,6 +76,8 @@ class RewardFunction:
     stop one, and one stuck in C code holding the GIL (a backtracking regex) would block the timer too.
     """
 
+    _worker = None  # (process, pipe) while a reward process runs
+
     def __init__(self, fn, name, reward_type, kwargs, call_timeout=None):
         self.fn, self.name, self.reward_type, self.kwargs = fn, name, reward_type, dict(kwargs)
         try:  # the first argument is the input (or the list of inputs)
@@ -86,7 +88,7 @@ class RewardFunction:
         if call_timeout is not None and not call_timeout > 0:
             raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0, "
                               f"or null for no limit")
-        self.call_timeout, self._worker = call_timeout, None  # _worker: (process, pipe) once started
+        self.call_timeout = call_timeout
         if call_timeout is not None:
             self._start()
 
@@ -188,11 +190,7 @@ class RewardFunction:
             process.kill()
             process.join()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    __del__ = close  # a garbage-collected RewardFunction stops its reward process
 
     def _error(self, inputs, i, what):
         sample = inputs[i]
