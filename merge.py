@@ -97,8 +97,8 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
         raise MergeError(f"{model_dir} does not match the model of {hf_dir}/config.json: missing tensors "
                          f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}). "
                          f"Is huggingface/ from the same run as model/?")
-    written = {}  # in-memory name -> a meta tensor of the size and dtype it is written in, in natural order
-    for name in sorted(saved_name, key=natural_key):
+    written = {}  # in-memory name -> a meta tensor of the size and dtype it is written in, in the model's order
+    for name in saved_name:
         stored = tensors[plan[name][0]]
         written[name] = torch.empty(stored.size, dtype=dtype or stored.properties.dtype, device="meta")
     split = split_torch_state_dict_into_shards(written, max_shard_size=max_bytes)  # as save_pretrained splits
@@ -152,7 +152,7 @@ def lora_plan(tensors, lora):
 
 def write_adapter(model_dir, tensors, lora, out_dir, dtype):
     """adapter_model.safetensors with peft's saved names (`...lora_A.default.weight` -> `...lora_A.weight`)."""
-    keys = sorted((key for key in tensors if ".lora_" in key), key=natural_key)
+    keys = [key for key in tensors if ".lora_" in key]
     adapter = adapter_name(keys)
     loaded = read_tensors(model_dir, tensors, keys)
     out = {re.sub(rf"\.{re.escape(adapter)}(\.weight)?$", r"\1", key): cast(loaded.pop(key), dtype) for key in keys}
@@ -252,10 +252,6 @@ def adapter_name(keys):
     if len(names) != 1:
         raise MergeError(f"expected the LoRA tensors of one adapter in the checkpoint, found {sorted(names) or 'none'}")
     return names.pop()
-
-
-def natural_key(name):  # "layers.10" after "layers.9"
-    return [part.zfill(12) if part.isdigit() else part for part in name.split(".")]
 
 
 def main(argv=None):
