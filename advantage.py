@@ -151,10 +151,12 @@ def token_rewards(scores, lengths, token_kl=None, beta=0.0):
     for i, n in enumerate(lengths):
         if n < 1:
             raise ValueError(f"response {i} has length {n}; every response needs at least one token")
-        kl = torch.zeros(int(n)) if token_kl is None else torch.as_tensor(token_kl[i]).detach().reshape(-1)
-        if len(kl) != n:
-            raise ValueError(f"response {i}: token_kl has {len(kl)} values for {n} response tokens")
-        r = -beta * kl.to("cpu", torch.float64)                                         # [L_i]
+        r = torch.zeros(int(n), dtype=torch.float64)                                    # [L_i]
+        if token_kl is not None:
+            kl = torch.as_tensor(token_kl[i]).detach().to("cpu", torch.float64).reshape(-1)
+            if len(kl) != n:
+                raise ValueError(f"response {i}: token_kl has {len(kl)} values for {n} response tokens")
+            r -= beta * kl
         r[-1] += x[i]
         rewards.append(r)
     return rewards
