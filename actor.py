@@ -7,8 +7,8 @@ A training step asks three passes of it, each on a list of sample dicts:
                        clipped optimizer step per mini-batch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
-only torch and can be copied alone. The model plumbing (loading, FSDP2, LoRA, packing, the packed forward,
-attention routing) is in modeling.py. Knows nothing of Ray, vLLM or datasets.
+only torch and can be copied alone; the model plumbing (loading, FSDP2, LoRA, packing, the packed forward,
+attention routing) is in modeling.py. No Ray, vLLM or datasets here.
 
 A sample (built by trainer.py) holds:
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
                       full_tensor, micro_batches_needed, move_optimizer_state, pack_samples, partition_balanced,
-                      peak_tflops, shared_image_units, to_device)
+                      peak_tflops, shared_image_units)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     Truncated importance sampling, with `tis_cap` and `rollout_logp`, corrects for the rollout engine sampling
     from pi_rollout != pi_old (kernels, bf16):  w_t = sg(min(exp(old_logp_t - rollout_logp_t), tis_cap)), l_t <- w_t l_t
 
-    Returns (loss [tokens] fp32, metrics: name -> detached fp32 [tokens] that the caller token-averages):
+    Returns (loss [tokens] fp32, metrics: name -> detached fp32 [tokens], token-averaged by the caller):
         ppo_kl              old_logp - logp
         pg_clipfrac_higher  1 where A > 0 and r > 1 + eps_h: the upper clip binds   (CLIP_TYPES only)
         pg_clipfrac_lower   1 where A < 0 and the dual bound -A c binds              (CLIP_TYPES only)
@@ -299,13 +299,10 @@ class Actor:
 
     @torch.no_grad()
     def compute_log_probs(self, samples, disable_adapter=False, with_entropy=False):
-        """Log-probs of every sample's response tokens, temperature-scaled: list of fp32 CPU tensors
-        [len(response_ids)] in input order; with `with_entropy`, (log-probs, entropies) of the same shapes.
-
-        `disable_adapter=True` runs a LoRA model with its adapters off: the reference at no extra memory.
-        The policy uses the update's mini-batches and micro-batching, so old and new log-probs come from identical
-        kernels; the reference (role="ref") packs the whole list under the experience budget.
-        """
+        """Temperature-scaled log-probs of every sample's response tokens: fp32 CPU tensors [len(response_ids)] in
+        input order; with `with_entropy`, (log-probs, entropies). `disable_adapter=True` runs a LoRA model with its
+        adapters off: the reference at no extra memory. The policy uses the update's mini- and micro-batches, so old
+        and new log-probs come from identical kernels; the reference packs the list under the experience budget."""
         kind = "update" if self.role == "actor" else "experience"
         chunk = self._mini_batch_size() if self.role == "actor" else max(1, len(samples))
         logps, entropies = [None] * len(samples), [None] * len(samples)
@@ -327,15 +324,12 @@ class Actor:
 
     def update(self, samples):
         """PPO-style update on this rank's samples (global_batch_size x n_per_prompt / world per mini-batch, each
-        micro-batch's loss aggregated with the mini-batch's global counts: see aggregate_loss); returns metrics,
-        floats identical on every rank except perf/*.
-
-        Metrics (global, over all ranks): actor/pg_loss and actor/kl_loss (mean over optimizer steps of the
-        aggregated mini-batch loss), token means of actor/entropy (true entropy), actor/ppo_kl,
-        actor/pg_clipfrac_higher / _lower and TIS metrics from policy_loss, actor/grad_norm (mean of the finite
-        norms before clipping), actor/lr (last step), actor/skipped_steps, actor/tokens (response tokens per
-        epoch); on CUDA perf/mfu_actor (this rank's counted FLOPs / time / peak) and perf/max_memory_allocated_gb.
-        """
+        micro-batch's loss aggregated with the mini-batch's global counts: see aggregate_loss). Returns metrics over
+        all ranks, the same on every rank except perf/*: actor/pg_loss and actor/kl_loss (mean over optimizer steps),
+        token means of actor/entropy (the true entropy), actor/ppo_kl, actor/pg_clipfrac_higher / _lower and the TIS
+        metrics of policy_loss, actor/grad_norm (mean of the finite norms before clipping), actor/lr (last step),
+        actor/skipped_steps, actor/tokens (response tokens per epoch); on CUDA perf/mfu_actor (this rank's counted
+        FLOPs / time / peak) and perf/max_memory_allocated_gb."""
         if self.optimizer is None:
             raise RuntimeError("Actor.update: this is the reference (role='ref'); it has no optimizer")
         c = self.cfg
@@ -410,13 +404,10 @@ class Actor:
 
     @torch.no_grad()
     def named_tensors(self):
-        """Stream (name, full tensor) pairs, one gathered at a time, for the rollout engine's load_weights.
-
-        Names are those of the Hugging Face model's own state_dict(). With LoRA, each adapted weight is
-        yielded MERGED (W + scaling * B @ A) under the base name (".base_layer" removed) and the adapter
-        tensors are not yielded: the engine sees a plain model. Tensors are on self.device in the master dtype
-        (the engine casts). With a process group every rank must iterate to the end (all-gathers).
-        """
+        """Stream (name, full tensor) pairs of the HF model's state_dict(), one gathered at a time, on self.device in
+        the master dtype, for the rollout engine's load_weights (every rank iterates to the end: all-gathers). With
+        LoRA each adapted weight is yielded MERGED (W + scaling * B @ A) under its base name and the adapter tensors
+        are not: the engine sees a plain model."""
         adapted = {name: m for name, m in self.hf.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
         for name, tensor in self.hf.state_dict().items():
             if ".lora_" in name:
@@ -552,7 +543,8 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        return to_device(batch, self.device)
+        batch["mm"] = {k: v.to(self.device) for k, v in batch["mm"].items()}
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _per_token(self, samples, idx, key, n_tokens):
         """samples[i][key] for i in idx as one fp32 tensor [N] on the device (zeros for a dummy micro-batch, N =
