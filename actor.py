@@ -245,8 +245,7 @@ class Actor:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.sharded = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if self.sharded else 1
-        self.rank = dist.get_rank() if self.sharded else 0
+        self.world, self.rank = (dist.get_world_size(), dist.get_rank()) if self.sharded else (1, 0)
         self.compute_dtype = DTYPES[cfg.fsdp.mp_param_dtype]
         master = DTYPES[cfg.fsdp.torch_dtype or "fp32"] if role == "actor" else self.compute_dtype
         self.lora_rank = cfg.model.lora.rank if role == "actor" else 0
@@ -523,7 +522,12 @@ class Actor:
         lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
         size = getattr(self.cfg, f"micro_batch_size_per_device_for_{kind}")
         if self.cfg.dynamic_batching:
-            budget = self._budget(kind)
+            budget = self.cfg.max_tokens_per_micro_batch
+            if not budget:
+                if self.max_prompt_length is None or self.max_response_length is None:
+                    raise ValueError("Actor: set worker.actor.max_tokens_per_micro_batch, or pass max_prompt_length "
+                                     "and max_response_length so the budget is micro_batch_size_per_device x their sum")
+                budget = size * (self.max_prompt_length + self.max_response_length)
             units = shared_image_units(samples, lengths, budget)
             unit_lengths = [sum(lengths[i] for i in unit) for unit in units]
             k = micro_batches_needed(unit_lengths, budget)
@@ -570,16 +574,6 @@ class Actor:
             return ()
         has_video = any("pixel_values_videos" in (s.get("multi_modal_inputs") or {}) for s in samples)
         return ("image", "video") if self._all_ranks([has_video], "max")[0] else ("image",)
-
-    def _budget(self, kind):
-        c = self.cfg
-        if c.max_tokens_per_micro_batch:
-            return c.max_tokens_per_micro_batch
-        if self.max_prompt_length is None or self.max_response_length is None:
-            raise ValueError("Actor: set worker.actor.max_tokens_per_micro_batch, or pass max_prompt_length and "
-                             "max_response_length so the budget is micro_batch_size_per_device x their sum")
-        per_device = getattr(c, f"micro_batch_size_per_device_for_{kind}")
-        return per_device * (self.max_prompt_length + self.max_response_length)
 
     def _mini_batch_size(self):
         total = self.cfg.global_batch_size * self.n_per_prompt

@@ -38,11 +38,9 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
 def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
     """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward.
 
-    AutoModelForImageTextToText when the config has a vision_config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else
-    AutoModelForCausalLM, with attention routed to packed_attention on every sub-config. LoRA: peft adapters in the
-    master dtype on frozen base weights stored in the compute dtype. With a process group the model is sharded; with
-    fsdp.enable_rank0_init rank 0 reads the weights and the others build on the meta device and receive them.
-    """
+    A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config, with attention routed to
+    packed_attention; LoRA adapters in the master dtype on frozen base weights in the compute dtype. With
+    fsdp.enable_rank0_init rank 0 reads the weights and the other ranks, built on the meta device, receive them."""
     from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
                               PreTrainedConfig)
 
@@ -61,12 +59,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
     else:
         hf = auto.from_pretrained(model_cfg.model_path, config=config, dtype=weights_dtype,
                                   trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa")
-    seen = set()
-    for m in hf.modules():
-        c = getattr(m, "config", None)
-        if isinstance(c, PreTrainedConfig) and id(c) not in seen:
-            seen.add(id(c))
-            c._attn_implementation = ATTENTION  # the setter recurses into sub-configs
+    for m in hf.modules():  # every module's config; the setter recurses into sub-configs
+        if isinstance(getattr(m, "config", None), PreTrainedConfig):
+            m.config._attn_implementation = ATTENTION
     module = hf
     if lora_rank:
         from peft import LoraConfig, get_peft_model
@@ -250,8 +245,7 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         if pos.shape[0] != (4 if is_vl else 1):
             raise ValueError(f"pack_samples: {name}: position_ids has {pos.shape[0]} rows; a VL model takes 4 "
                              "(text + t/h/w; 1 or 3 are completed), a text model 1")
-        steps = torch.arange(1, len(response) + 1)
-        positions.append(torch.cat([pos, pos[:, -1:] + steps], dim=1))  # [R, L]
+        positions.append(torch.cat([pos, pos[:, -1:] + torch.arange(1, len(response) + 1)], dim=1))  # [R, L]
         inputs = s.get("multi_modal_inputs") or {}
         for modality, token in (("image", image_token_id), ("video", video_token_id)):
             _, key, grid = VISION_CALLS[modality]
@@ -288,12 +282,9 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
 # --- The forward: body, vision calls, response-only head -----------------------------------------------------------
 
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
-    """Bound to the HF model as `packed_forward` (a registered FSDP2 forward method when sharded).
-    -> (logp [N], entropy [N] or [0]) of the response tokens of a packed batch.
-
-    Vision (VL models): one call per modality in `modalities`, always in the same order; a micro-batch
-    without that input runs the tower on a dummy and joins it as zero rows (see _as_zero_rows).
-    """
+    """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
+    (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities`, the same
+    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
@@ -364,8 +355,7 @@ def _as_zero_rows(output):
     """A vision output with every tensor replaced by zero rows that still depend on the tower (x[:0] + 0 * sum):
     merged into the text as nothing, yet the tower joins the backward like a real image would."""
     leaves = []
-    for value in output.values():
-        _map_tensors(value, lambda t: leaves.append(t) or t)
+    _map_tensors(list(output.values()), leaves.append)  # collect every tensor
     zero = sum(t.float().sum() for t in leaves if t.is_floating_point()) * 0.0  # a 0-dim tensor
     for key in list(output.keys()):
         output[key] = _map_tensors(output[key], lambda t: t[:0] + zero.to(t.dtype) if t.is_floating_point() else t[:0])
