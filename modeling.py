@@ -272,9 +272,10 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
     return {
         "input_ids": torch.tensor([ids]),
         "position_ids": position_ids[:, None] if is_vl else position_ids,
-        "cu_seqlens": _cumulative(seq_lens), "max_seqlen": max(seq_lens),
+        "cu_seqlens": torch.tensor([0] + seq_lens).cumsum(0, dtype=torch.int32), "max_seqlen": max(seq_lens),
         "resp_index": torch.cat(resp_index), "labels": torch.tensor(labels, dtype=torch.long),
-        "resp_cu_seqlens": _cumulative(resp_lens), "resp_lens": resp_lens, "seq_lens": seq_lens,
+        "resp_cu_seqlens": torch.tensor([0] + resp_lens).cumsum(0, dtype=torch.int32),
+        "resp_lens": resp_lens, "seq_lens": seq_lens,
         "mm": {k: torch.cat(v) for k, v in mm.items()}, "mm_order": order,
     }
 
@@ -550,7 +551,3 @@ def _local(t):
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _cumulative(lengths):
-    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
