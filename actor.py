@@ -7,15 +7,14 @@ A training step asks three passes of it, each on a list of sample dicts:
                        clipped optimizer step per mini-batch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
-only torch and can be copied alone. The model plumbing (loading, FSDP2, LoRA, packing, the packed forward,
-attention routing) is in modeling.py. Knows nothing of Ray, vLLM or datasets.
+only torch and can be copied alone; the model plumbing (loading, FSDP2, LoRA, packing, the packed forward,
+attention routing) is in modeling.py. No Ray, vLLM or datasets here.
 
 A sample (built by trainer.py) holds:
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded
     response_ids        list[int]    may be empty
     position_ids        Tensor [R, P] the PROMPT's positions (R = 4 for Qwen-VL: text row + 3 mrope rows; 1 for
-                                     text models); continued over the response at last + 1, last + 2, ...
-                                     Optional for text models (then 0..P-1).
+                                     text models, where it is optional: 0..P-1); continued over the response
     multi_modal_inputs  dict         pixel_values [patches, dim], image_grid_thw [images, 3] (and/or
                                      pixel_values_videos, video_grid_thw); {} or absent for text-only rows
     advantage           float or Tensor [len(response_ids)]   (update) one per response, or one per token
@@ -23,10 +22,8 @@ A sample (built by trainer.py) holds:
     ref_logprobs        Tensor [len(response_ids)]   (update, with use_kl_loss)
     rollout_logprobs    Tensor [len(response_ids)]   (update, optional: TIS and mismatch metrics)
 
-Config: the worker.actor section (ActorConfig; every key documented in configs/geo3k.yaml).
-
-Collectives: with a process group, every rank calls compute_log_probs, update, named_tensors, save_checkpoint
-and load_checkpoint together (FSDP all-gathers inside). Without one, nothing is sharded.
+Config: the worker.actor section (ActorConfig; every key documented in configs/geo3k.yaml). With a process group,
+every rank calls each method together (FSDP all-gathers inside); without one, nothing is sharded.
 """
 
 import contextlib
@@ -41,14 +38,12 @@ import torch.distributed as dist
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
                       full_tensor, micro_batches_needed, move_optimizer_state, pack_samples, partition_balanced,
-                      peak_tflops, shared_image_units, to_device)
+                      peak_tflops, shared_image_units)
 
 logger = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------
-# The objective: per-token policy losses, their aggregation, the KL penalty
-# ----------------------------------------------------------------------------------------------
+# --- The objective: per-token policy losses, their aggregation, the KL penalty -------------------------------------
 # Everything here works on flat, padding-free per-token tensors `[tokens]` holding response tokens
 # only, with `cu_seqlens [n_seq + 1]` (0, len_0, len_0 + len_1, ..., tokens) marking the sequences.
 # An empty sequence (len 0) is allowed: it has no tokens, its sequence mean counts as 0.
@@ -64,9 +59,9 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
                 rollout_logp=None, tis_cap=None):
     """Per-token policy-gradient loss l_t (to be minimised) and per-token metrics.
 
-    Inputs are flat `[tokens]`: logp = log pi_theta(y_t) (requires grad), old_logp = log pi_old(y_t)
-    (the trainer's recomputation before the update), advantages A_t (the sequence's advantage
-    broadcast to its tokens). sg() is stop-gradient; eps_l, eps_h, c = clip_ratio_low / _high / _dual.
+    Inputs are flat `[tokens]`: logp = log pi_theta(y_t) (requires grad), old_logp = log pi_old(y_t),
+    advantages A_t (the sequence's advantage broadcast to its tokens). sg() is stop-gradient;
+    eps_l, eps_h, c = clip_ratio_low / _high / _dual.
 
         delta_t = logp_t - old_logp_t
         r_t     = exp(clamp(log r_t, -20, 20)), log r_t = delta_t      (clamp: zero gradient outside)
@@ -75,23 +70,20 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
       default     l_t = max(-A r_t, -A clip(r_t));  if A < 0: l_t = min(l_t, -A c)   (dual clip, c > 1)
       gspo        log r_t = s_i = mean_{t in seq i} delta_t  (gradient flows through the mean), then as default
       gspo_token  log r_t = sg(s_i) + logp_t - sg(logp_t): the value of gspo, a per-token gradient, then as default
-      cispo       l_t = -A sg(clip(r_t)) logp_t          (REINFORCE with a clipped, detached IS weight;
-                                                          the gradient never vanishes at the clip)
+      cispo       l_t = -A sg(clip(r_t)) logp_t   (REINFORCE with a clipped, detached IS weight: the gradient
+                                                   never vanishes at the clip)
       sapo        l_t = -A (4 / tau) sigmoid(tau (r_t - 1)),  tau = tau_positive if A >= 0 else tau_negative
-                                                         (soft gate; clip_ratio_* unused)
+                                                  (a soft gate; clip_ratio_* unused)
 
-    Truncated importance sampling (token level), when `tis_cap` is given with `rollout_logp`:
-        w_t = min(exp(old_logp_t - rollout_logp_t), tis_cap),  detached;   l_t <- w_t l_t
-    It corrects for the rollout engine sampling from pi_rollout != pi_old (kernels, bf16).
+    Truncated importance sampling, with `tis_cap` and `rollout_logp`, corrects for the rollout engine sampling
+    from pi_rollout != pi_old (kernels, bf16):  w_t = sg(min(exp(old_logp_t - rollout_logp_t), tis_cap)), l_t <- w_t l_t
 
-    Returns (loss [tokens] fp32, metrics): metrics maps names to detached per-token fp32 tensors
-    `[tokens]` that the caller token-averages:
-        ppo_kl              old_logp - logp (every type)
-        pg_clipfrac_higher  1 where A > 0 and r > 1 + eps_h: the upper clip binds   (clip types only)
-        pg_clipfrac_lower   1 where A < 0 and the dual bound -A c binds              (clip types only)
+    Returns (loss [tokens] fp32, metrics: name -> detached fp32 [tokens], token-averaged by the caller):
+        ppo_kl              old_logp - logp
+        pg_clipfrac_higher  1 where A > 0 and r > 1 + eps_h: the upper clip binds   (CLIP_TYPES only)
+        pg_clipfrac_lower   1 where A < 0 and the dual bound -A c binds              (CLIP_TYPES only)
         tis_weight, tis_capfrac (1 where exp(old - rollout) > tis_cap)               (with tis_cap)
         rollout_logp_abs_diff  |old_logp - rollout_logp|                             (with rollout_logp)
-    The clip types are default, gspo and gspo_token.
     """
     if loss_type not in POLICY_LOSS_TYPES:
         raise ValueError(f"policy_loss: unknown loss_type {loss_type!r}; choose one of {POLICY_LOSS_TYPES} "
@@ -127,8 +119,7 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     elif loss_type == "cispo":
         loss = -advantages * clipped_ratio.detach() * logp
     else:  # sapo
-        tau = torch.where(negative, torch.full_like(advantages, tau_negative),
-                          torch.full_like(advantages, tau_positive))
+        tau = torch.where(negative, tau_negative, tau_positive)  # [tokens]
         loss = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
 
     if rollout_logp is not None:
@@ -153,11 +144,10 @@ def aggregate_loss(per_token_loss, cu_seqlens, mode="token", global_tokens=None,
         seq_sum_norm  sum_i sum_t l_it / (global_seqs * seq_len_norm)       (Dr. GRPO; seq_len_norm is a
                                                                              constant such as max_response_length)
 
-    global_tokens / global_seqs default to the counts in this call. In training the caller passes
-    the counts of the whole mini-batch (all micro-batches, all ranks) and multiplies each
-    micro-batch's result by world_size, because FSDP averages gradients over ranks: summed over
-    micro-batches and averaged over ranks, the gradient is then exactly that of the formula on the
-    whole mini-batch, independent of micro-batch size and world size.
+    global_tokens / global_seqs default to this call's counts. In training the caller passes the whole mini-batch's
+    (all micro-batches, all ranks) and multiplies each micro-batch's result by world_size (FSDP averages gradients
+    over ranks): the summed gradient is then exactly the formula's on the whole mini-batch, whatever the
+    micro-batch size and world size.
     """
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"aggregate_loss: unknown mode {mode!r}; choose one of {AGGREGATION_MODES} "
@@ -225,26 +215,21 @@ def _check_flat(cu_seqlens, **tensors):
         raise ValueError(f"cu_seqlens decreases at sequences {bad}: {cu_seqlens.tolist()}")
 
 
-# ----------------------------------------------------------------------------------------------
-# The policy and the reference
-# ----------------------------------------------------------------------------------------------
+# --- The policy and the reference ----------------------------------------------------------------------------------
 
 class Actor:
     """The policy (role="actor": trainable, optimizer) or the reference (role="ref": frozen, no optimizer).
 
-        cfg               the worker.actor section (ActorConfig); the reference gets the same section
-        temperature       divides the logits of every log-prob pass (the rollout's sampling temperature)
-        device            "cpu", "cuda" or "cuda:N"
-        max_prompt_length, max_response_length   token budget per micro-batch when max_tokens_per_micro_batch
-                          is null: micro_batch_size_per_device_for_update (experience for the reference) x sum;
-                          max_response_length is also Dr. GRPO's constant length (loss_avg_mode=seq_sum_norm)
-        n_per_prompt      responses per prompt: a mini-batch is global_batch_size x n_per_prompt samples
-        training_steps    trainer steps: the length of the LR schedule, which steps once per update (EasyR1)
-        use_kl_loss, kl_coef, kl_penalty   the KL loss term (algorithm section)
+    cfg is the worker.actor section (ActorConfig; the reference gets the same); temperature divides the logits of
+    every log-prob pass (the rollout's). Without max_tokens_per_micro_batch the micro-batch token budget is
+    micro_batch_size_per_device_for_update (_experience for the reference) x (max_prompt_length +
+    max_response_length); max_response_length is also Dr. GRPO's constant length. A mini-batch is
+    global_batch_size x n_per_prompt samples; the LR schedule lasts training_steps updates; use_kl_loss, kl_coef
+    and kl_penalty (algorithm section) add the KL loss term.
 
-    Weights: the actor keeps master weights in fsdp.torch_dtype (default fp32) and computes in
-    fsdp.mp_param_dtype (FSDP2 MixedPrecisionPolicy when sharded, autocast when not). The reference and
-    LoRA's frozen base weights are stored in the compute dtype (bf16, or fp32 on the CPU toy).
+    Weights: the actor keeps master weights in fsdp.torch_dtype (default fp32) and computes in fsdp.mp_param_dtype
+    (FSDP2 MixedPrecisionPolicy when sharded, autocast when not). The reference and LoRA's frozen base weights are
+    stored in the compute dtype (bf16, or fp32 on the CPU toy).
     """
 
     def __init__(self, cfg, *, role="actor", temperature=1.0, device="cpu", max_prompt_length=None,
@@ -254,14 +239,13 @@ class Actor:
             raise ValueError(f"Actor: role must be 'actor' or 'ref', got {role!r}")
         self.cfg, self.role, self.temperature = cfg, role, float(temperature)
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        self.n_per_prompt, self.training_steps = n_per_prompt, training_steps
+        self.n_per_prompt = n_per_prompt
         self.use_kl_loss, self.kl_coef, self.kl_kind = use_kl_loss, kl_coef, kl_penalty
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.sharded = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if self.sharded else 1
-        self.rank = dist.get_rank() if self.sharded else 0
+        self.world, self.rank = (dist.get_world_size(), dist.get_rank()) if self.sharded else (1, 0)
         self.compute_dtype = DTYPES[cfg.fsdp.mp_param_dtype]
         master = DTYPES[cfg.fsdp.torch_dtype or "fp32"] if role == "actor" else self.compute_dtype
         self.lora_rank = cfg.model.lora.rank if role == "actor" else 0
@@ -310,19 +294,14 @@ class Actor:
             self.lr_scheduler = lr_schedule(self.optimizer, o, training_steps)
         self.offload()  # as EasyR1: the rollout engine, built next, finds the memory free
 
-    # ------------------------------------------------------------------------------------------
-    # The three passes: log-probs, update, weights out
-    # ------------------------------------------------------------------------------------------
+    # --- The three passes: log-probs, update, weights out ----------------------------------------------------------
 
     @torch.no_grad()
     def compute_log_probs(self, samples, disable_adapter=False, with_entropy=False):
-        """Log-probs of every sample's response tokens, temperature-scaled: list of fp32 CPU tensors
-        [len(response_ids)] in input order; with `with_entropy`, (log-probs, entropies) of the same shapes.
-
-        `disable_adapter=True` runs a LoRA model with its adapters off: the reference at no extra memory.
-        The policy uses the update's mini-batches and micro-batching, so old and new log-probs come from identical
-        kernels; the reference (role="ref") packs the whole list under the experience budget.
-        """
+        """Temperature-scaled log-probs of every sample's response tokens: fp32 CPU tensors [len(response_ids)] in
+        input order; with `with_entropy`, (log-probs, entropies). `disable_adapter=True` runs a LoRA model with its
+        adapters off: the reference at no extra memory. The policy uses the update's mini- and micro-batches, so old
+        and new log-probs come from identical kernels; the reference packs the list under the experience budget."""
         kind = "update" if self.role == "actor" else "experience"
         chunk = self._mini_batch_size() if self.role == "actor" else max(1, len(samples))
         logps, entropies = [None] * len(samples), [None] * len(samples)
@@ -343,18 +322,13 @@ class Actor:
         return (logps, entropies) if with_entropy else logps
 
     def update(self, samples):
-        """PPO-style update on this rank's samples; returns metrics (floats, identical on every rank except perf/*).
-
-        A mini-batch is global_batch_size x n_per_prompt / world samples here. Each micro-batch's loss is aggregated
-        with the mini-batch's GLOBAL token / sequence counts and multiplied by world_size before backward (FSDP
-        averages gradients over ranks), so the summed gradient is the whole mini-batch's.
-
-        Metrics (global, over all ranks): actor/pg_loss and actor/kl_loss (mean over optimizer steps of the
-        aggregated mini-batch loss), token means of actor/entropy (true entropy), actor/ppo_kl,
-        actor/pg_clipfrac_higher / _lower and TIS metrics from policy_loss, actor/grad_norm (mean of the finite
-        norms before clipping), actor/lr (last step), actor/skipped_steps, actor/tokens (response tokens per
-        epoch); on CUDA perf/mfu_actor (this rank's counted FLOPs / time / peak) and perf/max_memory_allocated_gb.
-        """
+        """PPO-style update on this rank's samples (global_batch_size x n_per_prompt / world per mini-batch, each
+        micro-batch's loss aggregated with the mini-batch's global counts: see aggregate_loss). Returns metrics over
+        all ranks, the same on every rank except perf/*: actor/pg_loss and actor/kl_loss (mean over optimizer steps),
+        token means of actor/entropy (the true entropy), actor/ppo_kl, actor/pg_clipfrac_higher / _lower and the TIS
+        metrics of policy_loss, actor/grad_norm (mean of the finite norms before clipping), actor/lr (last step),
+        actor/skipped_steps, actor/tokens (response tokens per epoch); on CUDA perf/mfu_actor (this rank's counted
+        FLOPs / time / peak) and perf/max_memory_allocated_gb."""
         if self.optimizer is None:
             raise RuntimeError("Actor.update: this is the reference (role='ref'); it has no optimizer")
         c = self.cfg
@@ -371,6 +345,8 @@ class Actor:
         modalities = self._modalities(samples)
         use_rollout = c.tis_cap is not None or bool(self._all_ranks(
             [all("rollout_logprobs" in s for s in samples)], "min")[0])
+        keys = ["old_logprobs", "advantage"] + (["ref_logprobs"] if self.use_kl_loss else [])
+        keys += ["rollout_logprobs"] if use_rollout else []
         sums, grad_norms, tokens = {}, [], 0
 
         for _ in range(c.ppo_epochs):
@@ -383,16 +359,16 @@ class Actor:
                     idx = [mini[j] for j in part]
                     batch = self._pack(samples, idx)
                     logp, ent = self._forward(batch, c.compute_entropy, modalities)  # [N], [N] or [0]
-                    old, adv, ref, rollout = self._targets(batch, samples, idx, use_rollout)
+                    per_token = {key: self._per_token(samples, idx, key, len(logp)) for key in keys}  # [N] each
                     loss_tok, metrics = policy_loss(
-                        logp, old, adv, batch["resp_cu_seqlens"], loss_type=c.loss_type,
-                        clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
+                        logp, per_token["old_logprobs"], per_token["advantage"], batch["resp_cu_seqlens"],
+                        loss_type=c.loss_type, clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
                         clip_ratio_dual=c.clip_ratio_dual, tau_positive=c.tau_positive, tau_negative=c.tau_negative,
-                        rollout_logp=rollout, tis_cap=c.tis_cap)
+                        rollout_logp=per_token.get("rollout_logprobs"), tis_cap=c.tis_cap)
                     losses = {"pg_loss": aggregate_loss(loss_tok, batch["resp_cu_seqlens"], **agg)}
                     loss = losses["pg_loss"]
                     if self.use_kl_loss:
-                        kl = kl_penalty(logp, ref, self.kl_kind)  # [N]
+                        kl = kl_penalty(logp, per_token["ref_logprobs"], self.kl_kind)  # [N]
                         losses["kl_loss"] = aggregate_loss(kl, batch["resp_cu_seqlens"], **agg)
                         loss = loss + self.kl_coef * losses["kl_loss"]
                     real = 1.0 if idx else 0.0  # 0: a dummy micro-batch that only keeps the collectives in step
@@ -427,13 +403,10 @@ class Actor:
 
     @torch.no_grad()
     def named_tensors(self):
-        """Stream (name, full tensor) pairs, one gathered at a time, for the rollout engine's load_weights.
-
-        Names are those of the Hugging Face model's own state_dict(). With LoRA, each adapted weight is
-        yielded MERGED (W + scaling * B @ A) under the base name (".base_layer" removed) and the adapter
-        tensors are not yielded: the engine sees a plain model. Tensors are on self.device in the master dtype
-        (the engine casts). With a process group every rank must iterate to the end (all-gathers).
-        """
+        """Stream (name, full tensor) pairs of the HF model's state_dict(), one gathered at a time, on self.device in
+        the master dtype, for the rollout engine's load_weights (every rank iterates to the end: all-gathers). With
+        LoRA each adapted weight is yielded MERGED (W + scaling * B @ A) under its base name and the adapter tensors
+        are not: the engine sees a plain model."""
         adapted = {name: m for name, m in self.hf.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
         for name, tensor in self.hf.state_dict().items():
             if ".lora_" in name:
@@ -450,10 +423,9 @@ class Actor:
             yield name, full
 
     def save_checkpoint(self, path, model_only=False):
-        """Write `path`/model (DCP, the state dict of the HF model, or of the peft model with LoRA: base +
-        adapter names), `path`/optim (DCP; not with model_only), `path`/extra_state.pt (optimizer step
-        count, LR scheduler state, RNG of rank 0) and `path`/huggingface/ (config, generation config,
-        tokenizer and processor from the model path; adapter_config.json with LoRA)."""
+        """Write `path`/model and `path`/optim (DCP: the HF model's state dict, or the peft model's with LoRA, and
+        the optimizer's; no optim with model_only), `path`/extra_state.pt (optimizer steps, LR scheduler, rank 0's
+        RNG) and `path`/huggingface/ (config, generation config, tokenizer, processor; adapter_config.json)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -500,9 +472,7 @@ class Actor:
         if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
 
-    # ------------------------------------------------------------------------------------------
-    # The pieces of the passes
-    # ------------------------------------------------------------------------------------------
+    # --- The pieces of the passes ----------------------------------------------------------------------------------
 
     def _forward(self, batch, with_entropy, modalities):
         """One packed micro-batch -> (logp [N], entropy [N] or [0]) of its response tokens."""
@@ -513,7 +483,7 @@ class Actor:
     def _optimizer_step(self):
         """Clip the global gradient norm to max_grad_norm (torch's clip_grad_norm_ reduces FSDP2's sharded DTensor
         gradients over the ranks) and step, unless the norm is not finite (then skip; counted in
-        actor/skipped_steps); -> the norm before clipping. The LR is the schedule's for this training step."""
+        actor/skipped_steps); -> the norm before clipping."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or math.inf)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
@@ -552,7 +522,12 @@ class Actor:
         lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
         size = getattr(self.cfg, f"micro_batch_size_per_device_for_{kind}")
         if self.cfg.dynamic_batching:
-            budget = self._budget(kind)
+            budget = self.cfg.max_tokens_per_micro_batch
+            if not budget:
+                if self.max_prompt_length is None or self.max_response_length is None:
+                    raise ValueError("Actor: set worker.actor.max_tokens_per_micro_batch, or pass max_prompt_length "
+                                     "and max_response_length so the budget is micro_batch_size_per_device x their sum")
+                budget = size * (self.max_prompt_length + self.max_response_length)
             units = shared_image_units(samples, lengths, budget)
             unit_lengths = [sum(lengths[i] for i in unit) for unit in units]
             k = micro_batches_needed(unit_lengths, budget)
@@ -572,33 +547,26 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        return to_device(batch, self.device)
+        batch["mm"] = {k: v.to(self.device) for k, v in batch["mm"].items()}
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def _targets(self, batch, samples, idx, use_rollout):
-        """Per-token old log-probs, advantages, reference and rollout log-probs of a micro-batch: [N] each."""
+    def _per_token(self, samples, idx, key, n_tokens):
+        """samples[i][key] for i in idx as one fp32 tensor [N] on the device (zeros for a dummy micro-batch, N =
+        n_tokens); an advantage given once per response is broadcast to its tokens."""
         if not idx:
-            zeros = torch.zeros(sum(batch["resp_lens"]), device=self.device)
-            return zeros, zeros, zeros, (zeros if use_rollout else None)
-
-        def flat(key):
-            parts = []
-            for i in idx:
-                if key not in samples[i]:
-                    raise KeyError(f"Actor.update: sample {i} has no {key!r} (compute it before the update)")
-                value = torch.as_tensor(samples[i][key], dtype=torch.float32).reshape(-1)
-                n = len(samples[i]["response_ids"])
-                if key == "advantage" and value.numel() == 1:  # one per response: broadcast to its tokens
-                    value = value.expand(n)
-                if value.numel() != n:
-                    raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} "
-                                     "response tokens")
-                parts.append(value)
-            return torch.cat(parts).to(self.device)
-
-        adv = flat("advantage")  # [N]
-        ref = flat("ref_logprobs") if self.use_kl_loss else None
-        rollout = flat("rollout_logprobs") if use_rollout else None
-        return flat("old_logprobs"), adv, ref, rollout
+            return torch.zeros(n_tokens, device=self.device)
+        parts = []
+        for i in idx:
+            if key not in samples[i]:
+                raise KeyError(f"Actor.update: sample {i} has no {key!r} (compute it before the update)")
+            value = torch.as_tensor(samples[i][key], dtype=torch.float32).reshape(-1)
+            n = len(samples[i]["response_ids"])
+            if key == "advantage" and value.numel() == 1:
+                value = value.expand(n)
+            if value.numel() != n:
+                raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} response tokens")
+            parts.append(value)
+        return torch.cat(parts).to(self.device)
 
     def _modalities(self, samples):
         """Vision calls every micro-batch makes: ("image",) or ("image", "video") if any rank has videos."""
@@ -606,16 +574,6 @@ class Actor:
             return ()
         has_video = any("pixel_values_videos" in (s.get("multi_modal_inputs") or {}) for s in samples)
         return ("image", "video") if self._all_ranks([has_video], "max")[0] else ("image",)
-
-    def _budget(self, kind):
-        c = self.cfg
-        if c.max_tokens_per_micro_batch:
-            return c.max_tokens_per_micro_batch
-        if self.max_prompt_length is None or self.max_response_length is None:
-            raise ValueError("Actor: set worker.actor.max_tokens_per_micro_batch, or pass max_prompt_length and "
-                             "max_response_length so the budget is micro_batch_size_per_device x their sum")
-        per_device = getattr(c, f"micro_batch_size_per_device_for_{kind}")
-        return per_device * (self.max_prompt_length + self.max_response_length)
 
     def _mini_batch_size(self):
         total = self.cfg.global_batch_size * self.n_per_prompt
@@ -640,9 +598,8 @@ class Actor:
         return t.tolist()
 
 
-# ----------------------------------------------------------------------------------------------
-# The LR schedule and the Hugging Face files of a checkpoint
-# ----------------------------------------------------------------------------------------------
+
+# --- The LR schedule and the Hugging Face files of a checkpoint ----------------------------------------------------
 
 def lr_schedule(optimizer, optim_cfg, training_steps):
     """EasyR1's learning-rate schedule over TRAINING steps, stepped once after each update: at step t (0-based)

@@ -5,17 +5,16 @@
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
     adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
-Inputs: `scores` [N] (the reward function's "overall") and `uids` [N] group ids (str or int), in any order:
-a group is every response with the same uid, never a run of positions, and permuting the inputs permutes
-the outputs. KL in the reward (algorithm.use_kl_loss = false, as EasyR1): `token_kl`, N tensors [L_i] of
-the KL estimate per response token, and its coefficient `kl_coef` (beta). REINFORCE++ subtracts beta * KL
-token by token; every other estimator sees r_i = score_i - beta * sum_t kl_{i,t} (kl_in_reward).
-Outputs: float32 [N], one advantage per response (the actor broadcasts it over the tokens); for the
-estimators in TOKEN_LEVEL, N float32 tensors [L_i]. Group statistics are float64 and vectorised (a group
-index from numpy.unique, then index_add / scatter_reduce): no Python loop over samples. A group without
-spread (max - min <= FLAT) gets exactly 0 from every group estimator; a group of one is an error naming
-its uid unless allow_singletons=True (advantage 0).
+Inputs: `scores` [N] (the reward function's "overall") and `uids` [N] group ids (str or int), in any order: a
+group is every response with the same uid, never a run of positions. KL in the reward (algorithm.use_kl_loss =
+false, as EasyR1): `token_kl`, N tensors [L_i] of the per-token KL estimate, and its coefficient `kl_coef` (beta);
+REINFORCE++ subtracts beta * KL token by token, every other estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
+Outputs: float32 [N], one advantage per response (the actor broadcasts it over the tokens); for TOKEN_LEVEL
+estimators, N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every group
+estimator; a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
 """
+
+import types
 
 import numpy as np
 import torch
@@ -27,12 +26,11 @@ def grpo(scores, uids, norm_by_std=True, eps=1e-6, allow_singletons=False):
     """GRPO (DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), g the group of response i, std_g unbiased
     (n - 1 in the denominator, as torch.std and EasyR1). norm_by_std=False is Dr. GRPO (arXiv 2503.20783):
     A_i = r_i - mean_g."""
-    x, g, n, flat = group_stats(scores, uids, allow_singletons)  # [N] f64, [N], [G], [G]
-    mean, std = group_mean_std(x, g, n)                          # [G], [G]
-    adv = x - mean[g]                                            # [N]
+    s = group_stats(scores, uids, allow_singletons)
+    adv = s.x - s.mean[s.g]                                                # [N]
     if norm_by_std:
-        adv = adv / (std[g] + eps)
-    return torch.where(flat[g], 0.0, adv).float()
+        adv = adv / (s.std[s.g] + eps)
+    return torch.where(s.flat[s.g], 0.0, adv).float()
 
 
 def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
@@ -41,23 +39,21 @@ def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
     A_i = (max_g - second_g) / (std_g + eps)  if r_i = max_g,   else 0
     second_g is the largest reward left after taking one maximum out, so a tie at the top gives 0; std_g unbiased.
     """
-    x, g, n, flat = group_stats(scores, uids, allow_singletons)   # [N] f64, [N], [G], [G]
-    _, std = group_mean_std(x, g, n)                              # [G]
-    top = group_reduce(x, g, len(n), "amax")                      # [G]
-    is_top = x == top[g]                                          # [N]
-    n_top = group_sum(is_top.double(), g, len(n))                  # [G]
-    below = group_reduce(torch.where(is_top, -torch.inf, x), g, len(n), "amax")  # [G]
-    second = torch.where(n_top > 1, top, below)                    # [G]
-    adv = torch.where(is_top, ((top - second) / (std + eps))[g], 0.0)            # [N]
-    return torch.where(flat[g], 0.0, adv).float()
+    s = group_stats(scores, uids, allow_singletons)
+    is_top = s.x == s.max[s.g]                                             # [N]
+    n_top = group_reduce(is_top.double(), s.g, len(s.n))                   # [G]
+    below = group_reduce(torch.where(is_top, -torch.inf, s.x), s.g, len(s.n), "amax")  # [G]
+    second = torch.where(n_top > 1, s.max, below)                          # [G]
+    adv = torch.where(is_top, ((s.max - second) / (s.std + eps))[s.g], 0.0)  # [N]
+    return torch.where(s.flat[s.g], 0.0, adv).float()
 
 
 def rloo(scores, uids, allow_singletons=False):
     """RLOO (Ahmadian et al. 2024), a leave-one-out baseline:
     A_i = r_i - (sum_{j in g} r_j - r_i) / (n_g - 1)   ( = n_g / (n_g - 1) * (r_i - mean_g) )."""
-    x, g, n, flat = group_stats(scores, uids, allow_singletons)   # [N] f64, [N], [G], [G]
-    adv = x - (group_sum(x, g, len(n))[g] - x) / (n[g] - 1).clamp(min=1)  # [N]
-    return torch.where(flat[g], 0.0, adv).float()
+    s = group_stats(scores, uids, allow_singletons)
+    adv = s.x - (group_reduce(s.x, s.g, len(s.n))[s.g] - s.x) / (s.n[s.g] - 1).clamp(min=1)  # [N]
+    return torch.where(s.flat[s.g], 0.0, adv).float()
 
 
 def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
@@ -70,16 +66,11 @@ def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
 
     scores [N]: raw rewards (no KL folded in); lengths [N]: response lengths in tokens; token_kl: N
     tensors [L_i] or None (no KL in the reward). Token t's return carries the KL of tokens t.. only,
-    and a long response weighs in the statistics by its number of tokens.
-    Returns N float32 tensors [L_i]. A batch whose returns have no spread gets exactly 0.
+    and a long response weighs in the statistics by its number of tokens. Returns N float32 tensors [L_i].
     """
-    rewards = token_rewards(scores, lengths, token_kl, kl_coef)           # N x [L_i] f64
-    returns = [r.flip(0).cumsum(0).flip(0) for r in rewards]              # N x [L_i]
-    flat = torch.cat(returns)                                             # [T]
-    if len(flat) < 2 or flat.max() - flat.min() <= FLAT:
-        return [torch.zeros(len(g)) for g in returns]
-    mean, std = flat.mean(), torch.sqrt(flat.var() + eps)
-    return [((g - mean) / std).float() for g in returns]
+    rewards = token_rewards(scores, lengths, token_kl, kl_coef)            # N x [L_i] f64
+    returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in rewards])   # [T]
+    return list(whiten(returns, eps).split([len(r) for r in rewards]))
 
 
 def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False):
@@ -89,39 +80,31 @@ def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False)
     A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses
     Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
     """
-    x, g, n, flat = group_stats(scores, uids, allow_singletons)    # [N] f64, [N], [G], [G]
-    mean, _ = group_mean_std(x, g, n)                              # [G]
-    c = torch.where(flat[g], 0.0, x - mean[g])                     # [N]
-    if len(c) < 2 or not (c != 0).any():
-        return torch.zeros(len(c))
-    adv = (c - c.mean()) / torch.sqrt(c.var() + eps)               # [N]
-    return torch.where(flat[g], 0.0, adv).float()
+    s = group_stats(scores, uids, allow_singletons)
+    c = torch.where(s.flat[s.g], 0.0, s.x - s.mean[s.g])                  # [N]
+    return torch.where(s.flat[s.g], 0.0, whiten(c, eps))
 
 
 def remax(scores, uids, baselines):
     """ReMax (arXiv 2310.10505): A_i = r_i - b_i, b_i the reward of the greedy response to i's prompt.
     baselines [N]: b_i for every response (the same value within a group; checked)."""
-    x = as_scores(scores, uids)                                    # [N] f64
+    x = as_scores(scores, uids)                                            # [N] f64
     if baselines is None:
         raise ValueError("remax needs baselines: the reward of a greedy (temperature 0) response per prompt")
-    b = as_scores(baselines, uids, "baseline")                     # [N] f64
-    g, names = group_index(uids)
-    spread = group_spread(b, g, len(names))                        # [G]
-    if (spread > FLAT).any():
-        uid = names[int(torch.argmax(spread))]
+    b = group_stats(baselines, uids, allow_singletons=True, what="baseline")
+    if not b.flat.all():
+        uid = b.names[torch.nonzero(~b.flat)[0].item()]
         raise ValueError(f"remax: the baselines of group uid={uid!r} differ; every response of a prompt "
                          f"must carry the same greedy-response reward")
-    return (x - b).float()
+    return (x - b.x).float()
 
 
 TOKEN_LEVEL = {"reinforce_plus_plus"}  # estimators that return one advantage per token
 # estimators whose advantages are all 0 for a group without spread: online filtering drops such groups
 ZERO_WHEN_FLAT = {"grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline"}
 
-ESTIMATORS = {
-    "grpo": grpo, "grpo_passk": grpo_passk, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline, "remax": remax,
-}
+ESTIMATORS = {"grpo": grpo, "grpo_passk": grpo_passk, "rloo": rloo, "remax": remax,
+              "reinforce_plus_plus": reinforce_plus_plus, "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline}
 
 
 def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, lengths=None, token_kl=None,
@@ -138,16 +121,11 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
             raise ValueError(f"{name} computes one advantage per token: pass lengths (response lengths in "
                              f"tokens) or token_kl")
         lengths = [len(k) for k in token_kl] if lengths is None else [int(n) for n in lengths]
-        if len(lengths) != len(uids):
-            raise ValueError(f"{len(lengths)} lengths but there are {len(uids)} uids; both must be [N]")
         return ESTIMATORS[name](as_scores(scores, uids), lengths, token_kl, kl_coef, **opts)
     if token_kl is not None:
         scores = kl_in_reward(as_scores(scores, uids), [float(torch.as_tensor(k).sum()) for k in token_kl], kl_coef)
-    if name == "remax":
-        opts["baselines"] = baselines
-    if name == "grpo":
-        opts["norm_by_std"] = norm_by_std
-    return ESTIMATORS[name](scores, uids, **opts)
+    own_options = {"grpo": {"norm_by_std": norm_by_std}, "remax": {"baselines": baselines}}.get(name, {})
+    return ESTIMATORS[name](scores, uids, **own_options, **opts)
 
 
 # -- KL in the reward (algorithm.use_kl_loss = false): r_i <- r_i - beta * sum_t kl_t ----------------
@@ -196,11 +174,9 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Adaptive beta (Ziegler et al. 2019) that steers the measured KL towards target_kl:
-    e = clip(current_kl / target_kl - 1, -0.2, 0.2)
-    beta <- beta * (1 + e * n_steps / horizon)
+    beta <- beta * (1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon)
     current_kl: the step's mean KL (EasyR1: mean over responses of each response's token-mean KL);
-    n_steps: responses in the step (EasyR1 passes the batch size).
-    """
+    n_steps: responses in the step (EasyR1 passes the batch size)."""
 
     def __init__(self, init_kl_coef, target_kl, horizon):
         self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
@@ -216,38 +192,26 @@ def groups_to_keep(values, uids, low, high, require_spread=True):
     """The set of uids whose groups are worth training on: low < mean_g(values) < high and, with
     require_spread, max_g - min_g > FLAT (values: one per response, e.g. the filter_key score).
     require_spread=False tests only the mean, as EasyR1."""
-    x, g, n, flat = group_stats(values, uids, allow_singletons=True)   # [N] f64, [N], [G], [G]
-    mean, _ = group_mean_std(x, g, n)                                  # [G]
-    keep = (mean > low) & (mean < high)                                # [G]
-    if require_spread:
-        keep &= ~flat
-    names = group_index(uids)[1]
-    return {names[i] for i in torch.nonzero(keep).flatten().tolist()}
+    s = group_stats(values, uids, allow_singletons=True)
+    keep = (s.mean > low) & (s.mean < high) & ~(s.flat & require_spread)  # [G]
+    return {s.names[i] for i in torch.nonzero(keep).flatten().tolist()}
 
 
 def advantage_metrics(scores, advantages, uids):
     """critic/score/{mean,max,min}, critic/advantages/{mean,max,min} (over responses; over tokens for a
     TOKEN_LEVEL estimator's list of [L_i] tensors) and adv/zero_std_group_frac."""
-    x, _, _, flat = group_stats(scores, uids, allow_singletons=True)   # [N] f64, ..., [G]
-    if isinstance(advantages, list) and advantages and torch.is_tensor(advantages[0]) and advantages[0].dim():
-        adv = torch.cat(advantages).double()                            # [T]
-    else:
-        adv = as_scores(advantages, uids, "advantage")                  # [N] f64
+    s = group_stats(scores, uids, allow_singletons=True)
+    per_token = isinstance(advantages, list) and advantages and torch.is_tensor(advantages[0]) and advantages[0].dim()
+    adv = torch.cat(advantages).double() if per_token else as_scores(advantages, uids, "advantage")  # [T] or [N]
     return {
-        "critic/score/mean": x.mean().item(), "critic/score/max": x.max().item(), "critic/score/min": x.min().item(),
-        "critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(),
-        "critic/advantages/min": adv.min().item(), "adv/zero_std_group_frac": flat.double().mean().item(),
+        "critic/score/mean": s.x.mean().item(), "critic/score/max": s.x.max().item(),
+        "critic/score/min": s.x.min().item(), "critic/advantages/mean": adv.mean().item(),
+        "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item(),
+        "adv/zero_std_group_frac": s.flat.double().mean().item(),
     }
 
 
-# -- Helpers: groups by uid value --------------------------------------------------------------------
-
-def group_index(uids):
-    """(g [N] long, names): g[i] is the group number of uids[i]; names[k] the uid of group k (sorted).
-    Vectorised through numpy's unique (it sorts strings in C), so no Python loop over samples."""
-    names, g = np.unique(np.asarray(uids), return_inverse=True)
-    return torch.from_numpy(g.reshape(-1)).long(), names.tolist()
-
+# -- Helpers: groups by uid value, whitening ----------------------------------------------------------
 
 def as_scores(scores, uids, what="score"):
     """scores as a float64 [N] tensor; an error if the shape does not match uids or a value is not finite."""
@@ -262,36 +226,33 @@ def as_scores(scores, uids, what="score"):
     return x
 
 
-def group_stats(scores, uids, allow_singletons):
-    """(x [N] f64, g [N] group numbers, n [G] group sizes f64, flat [G] bool: max - min <= FLAT).
-    A group of one raises unless allow_singletons (it is then flat)."""
-    x = as_scores(scores, uids)
-    g, names = group_index(uids)
-    n = group_sum(torch.ones_like(x), g, len(names))
+def group_stats(scores, uids, allow_singletons=False, what="score"):
+    """The groups of `scores` by uid: x [N] f64 (checked scores), g [N] group numbers, names [G] (sorted uids),
+    and per group [G] n (size), mean, std (unbiased, two-pass), max, flat (max - min <= FLAT). numpy's unique
+    sorts the uids in C: no Python loop over samples. A group of one raises unless allow_singletons (then flat)."""
+    x = as_scores(scores, uids, what)
+    names, g = np.unique(np.asarray(uids), return_inverse=True)
+    g, names = torch.from_numpy(g.reshape(-1)).long(), names.tolist()
+    n = group_reduce(torch.ones_like(x), g, len(names))
     if not allow_singletons and (n == 1).any():
         lonely = [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]
         raise ValueError(f"{len(lonely)} group(s) have a single response (uid {lonely[0]!r}"
                          f"{', ...' if len(lonely) > 1 else ''}): a group baseline needs n >= 2 responses "
                          f"per prompt (worker.rollout.n), or pass allow_singletons=True to give them advantage 0")
-    return x, g, n, group_spread(x, g, len(names)) <= FLAT
+    mean = group_reduce(x, g, len(n)) / n
+    std = torch.sqrt(group_reduce((x - mean[g]) ** 2, g, len(n)) / (n - 1).clamp(min=1))
+    top = group_reduce(x, g, len(n), "amax")
+    flat = top - group_reduce(x, g, len(n), "amin") <= FLAT
+    return types.SimpleNamespace(x=x, g=g, names=names, n=n, mean=mean, std=std, max=top, flat=flat)
 
 
-def group_mean_std(x, g, n):
-    """Per-group mean and unbiased std [G], two-pass in float64 (mean first, then squared deviations)."""
-    mean = group_sum(x, g, len(n)) / n
-    return mean, torch.sqrt(group_sum((x - mean[g]) ** 2, g, len(n)) / (n - 1).clamp(min=1))
-
-
-def group_sum(x, g, n_groups):
-    """Per-group sum of x [N] -> [G]."""
-    return torch.zeros(n_groups, dtype=x.dtype).index_add_(0, g, x)
-
-
-def group_reduce(x, g, n_groups, reduce):
-    """Per-group max ("amax") or min ("amin") of x [N] -> [G]."""
+def group_reduce(x, g, n_groups, reduce="sum"):
+    """Per-group sum, max ("amax") or min ("amin") of x [N] -> [G]; g [N] holds group numbers 0..G-1."""
     return torch.zeros(n_groups, dtype=x.dtype).scatter_reduce_(0, g, x, reduce, include_self=False)
 
 
-def group_spread(x, g, n_groups):
-    """Per-group max - min of x [N] -> [G]."""
-    return group_reduce(x, g, n_groups, "amax") - group_reduce(x, g, n_groups, "amin")
+def whiten(v, eps):
+    """(v - mean(v)) / sqrt(var(v) + eps) in float32 (unbiased var); exactly 0 when v has no spread."""
+    if len(v) < 2 or v.max() - v.min() <= FLAT:
+        return torch.zeros(len(v))
+    return ((v - v.mean()) / torch.sqrt(v.var() + eps)).float()

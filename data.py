@@ -1,23 +1,15 @@
 """data.py: from a dataset on disk or on the hub to model-ready prompts, images and videos included.
 
-What the trainer calls:
-
     processor, tokenizer = load_processor(tokenizer_path, cfg.data)
-    train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path,
-                         batch_size=cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
-                         shuffle=cfg.data.shuffle, drop_last=True)
-    val = PromptLoader(cfg.data.val_files, cfg.data, processor, model_path,
-                       batch_size=cfg.data.val_batch_size, shuffle=False, drop_last=False)   # -1 = all rows
+    train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path, batch_size=512, shuffle=True,
+                         drop_last=True)   # val: batch_size=-1 (all rows), shuffle=False, drop_last=False
     batch = next(train)              # a list of prompt dicts; never ends, epochs follow seamlessly
-    train.current_epoch              # the epoch the next batch belongs to (= epochs completed)
-    train.batches_per_epoch
+    train.current_epoch, train.batches_per_epoch     # epochs completed (the next batch's epoch); batches in one
     for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
     state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
 
-Pieces, usable alone: load_rows(spec, cfg) -> Rows; PromptBuilder(cfg, processor, model_path) with
-.build(row, index, where) -> prompt and .measure(row, where) -> length; check_rows(rows, builder, workers);
-process_image(image, min_pixels, max_pixels) -> PIL.Image; process_video(video, min_pixels, max_pixels, fps)
--> (frames, metadata). Bad input raises DataError (a ValueError) that names the file and row.
+Pieces, usable alone: load_rows, check_rows, PromptBuilder (.build -> prompt, .measure -> length),
+process_image, process_video. Bad input raises DataError (a ValueError) that names the file and row.
 
 The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built lazily per batch, ragged:
     uid                 str         f"{epoch}-{index}": unique per prompt within a run (the trainer may overwrite)
@@ -36,52 +28,57 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
                                     get_rope_index), [1, P] for text models; P = len(prompt_ids)
     ground_truth        str         the answer column
     extra               dict        the row's other columns, untouched
-Each image and video is decoded and resized once per sample; the same pixels go to the rollout engine and,
-through the processor, to the actor, so their token counts always agree.
+The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
 Config attributes read (DataConfig, documented in configs/geo3k.yaml): prompt_key, answer_key, image_key,
 video_key, image_dir, video_fps, max_prompt_length, format_prompt, override_chat_template, system_prompt,
-seed, min_pixels, max_pixels (per image and per video frame, as in EasyR1), filter_overlong_prompts,
-filter_overlong_prompts_workers, skip_bad_rows. The files, batch sizes and shuffle come as arguments.
-Relative paths (sources, templates) are tried from the working directory, then from this file's folder.
+seed, min_pixels, max_pixels (per image and per video frame), filter_overlong_prompts,
+filter_overlong_prompts_workers, skip_bad_rows. Relative paths (sources, templates) are tried from the
+working directory, then from this file's folder.
 """
 
 import bisect
+import contextlib
 import io
+import itertools
 import logging
 import math
 import multiprocessing
 import os
 import re
 
+import av
 import datasets
 import jinja2
 import numpy
+import pyarrow
+import pyarrow.compute
+import pyarrow.parquet
 import torch
 from PIL import Image
+from transformers import AutoConfig, AutoModel, AutoProcessor, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
 VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES = 4, 768  # bounds on the sampled frames of a video (qwen-vl-utils')
+_MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
 
 
 class DataError(ValueError):
     """Bad input data; the message names the file and row and says what to change."""
 
 
-def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
+def load_processor(tokenizer_path, cfg, trust_remote_code=False):
     """(processor, tokenizer). A vision model's AutoProcessor; for a text model the tokenizer stands in as
     the processor (same apply_chat_template and __call__). cfg.override_chat_template, when set, replaces
     the chat template of both, so the trainer decodes with the tokenizer the prompts were built with."""
-    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
-
     config = AutoConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     auto = AutoProcessor if getattr(config, "vision_config", None) is not None else AutoTokenizer
     processor = auto.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
-    if cfg is not None and cfg.override_chat_template:
+    if cfg.override_chat_template:
         processor.chat_template = tokenizer.chat_template = _read_text(cfg.override_chat_template,
                                                                        "data.override_chat_template")
     return processor, tokenizer
@@ -89,14 +86,11 @@ def load_processor(tokenizer_path, cfg=None, trust_remote_code=False):
 
 class PromptLoader:
     """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for.
-
-    At start-up: load_rows(files), then check_rows measures every row (bad rows fail here, not mid-run) and,
-    with filter_overlong_prompts, drops the overlong ones.
-    Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e)
-    (in file order without shuffle), cut into batches of `batch_size` (-1 = all rows in one batch);
-    drop_last drops the short tail. The position is (current_epoch, batch): state_dict() saves it and
-    load_state_dict() restores it, so a resumed loader yields exactly the batches an uninterrupted one would.
-    """
+    The rows are loaded and checked at start-up (load_rows, check_rows). Epoch e visits the kept rows in the
+    order torch.randperm(n, generator seeded seed * 1_000_003 + e) (in file order without shuffle), cut into
+    batches of `batch_size` (-1 = all rows in one batch); drop_last drops the short tail. The position is
+    (current_epoch, batch): state_dict() saves it and load_state_dict() restores it, so a resumed loader yields
+    exactly the batches an uninterrupted one would."""
 
     def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
         self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
@@ -106,14 +100,12 @@ class PromptLoader:
         self.batch_size = len(self.indices) if batch_size == -1 else batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, cfg.seed, drop_last
         self.current_epoch, self.batch = 0, 0  # the position of the next batch
-        self._order_epoch, self._order = None, None
         if self.batches_per_epoch == 0:
             raise DataError(f"{files}: {len(self.indices)} rows, fewer than one batch of {batch_size}")
 
     @property
     def batches_per_epoch(self):
-        n = len(self.indices)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return (math.floor if self.drop_last else math.ceil)(len(self.indices) / self.batch_size)
 
     def __iter__(self):
         return self
@@ -135,28 +127,21 @@ class PromptLoader:
                 "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
 
     def load_state_dict(self, state):
+        now = self.state_dict()
         for key in ("num_rows", "batch_size", "shuffle", "seed"):
-            now = len(self.indices) if key == "num_rows" else getattr(self, key)
-            if state[key] != now:
+            if state[key] != now[key]:
                 raise ValueError(f"{self.rows.name}: the loader state was saved with {key}={state[key]}, now it is "
-                                 f"{now}; resuming would not continue the same order (same data and config needed)")
+                                 f"{now[key]}; resuming would not continue the same order (same data and config "
+                                 "needed)")
         self.current_epoch, self.batch = state["epoch"], state["batch"]
 
     def _make_batch(self, epoch, b):
-        if self._order_epoch != epoch:
-            n = len(self.indices)
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._order = [self.indices[k] for k in torch.randperm(n, generator=gen).tolist()]
-            else:
-                self._order = self.indices
-            self._order_epoch = epoch
-        batch = []
-        for i in self._order[b * self.batch_size:(b + 1) * self.batch_size]:
-            prompt = self.builder.build(self.rows[i], i, self.rows.where(i))
-            prompt["uid"] = f"{epoch}-{i}"
-            batch.append(prompt)
-        return batch
+        order = self.indices
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = [self.indices[k] for k in torch.randperm(len(order), generator=generator).tolist()]
+        return [{**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"}
+                for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
@@ -164,21 +149,29 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     bad row fails here and not mid-run (and again on every resume):
       - a bad row (unreadable image or video, null answer, empty prompt, placeholder count mismatch): DataError
         naming the file and row, or with skip_bad (data.skip_bad_rows) skipped and counted in the log;
-      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts; without it a
-        DataError naming the row (skipped and counted with skip_bad).
+      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts, else a bad row.
     `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
+    global _MEASURING
     cfg, limit = builder.cfg, builder.cfg.max_prompt_length
-    lengths = _measure_rows(rows, builder, workers)  # per row: its length, or the error message of a bad row
-    bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
+    _MEASURING = (rows, builder)
+    workers = max(1, min(workers, len(rows)))
+    try:  # per row: its length, or the error message of a bad row
+        if workers == 1:
+            lengths = [_measure_row(i) for i in range(len(rows))]
+        else:  # nothing is pickled but the indices
+            fork = multiprocessing.get_context("fork")
+            with fork.Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                lengths = pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
+    finally:
+        _MEASURING = None
     overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
-    if bad and not skip_bad:
-        raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
-    if overlong and not cfg.filter_overlong_prompts:
-        if not skip_bad:
-            raise DataError(_overlong(rows.where(overlong[0]), lengths[overlong[0]], limit))
+    if not cfg.filter_overlong_prompts:
         for i in overlong:
             lengths[i] = _overlong(rows.where(i), lengths[i], limit)
-        bad, overlong = sorted(bad + overlong), []
+        overlong = []
+    bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
+    if bad and not skip_bad:
+        raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
     if bad:
         logger.warning(f"{rows.name}: skipped {len(bad)} of {len(rows)} bad rows (data.skip_bad_rows); the first: "
                        + " | ".join(lengths[i] for i in bad[:3]))
@@ -187,37 +180,16 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
             f"{rows.name}: dropped {len(overlong)} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
             f"(image and video tokens included)"
             f"{'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
-    skipped = set(bad) | set(overlong)
-    kept = [i for i in range(len(rows)) if i not in skipped]
+    kept = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n <= limit]
     if not kept:
         raise DataError(f"{rows.name}: no row is left: {len(overlong)} longer than max_prompt_length={limit}, "
                         f"{len(bad)} bad")
     return kept
 
 
-def _measure_rows(rows, builder, workers):
-    """[builder.measure(row) or the DataError's message] for every row, in `workers` forked processes."""
-    global _MEASURING
-    workers = max(1, min(workers, len(rows)))
-    if workers == 1:
-        return [_measure_row(rows, builder, i) for i in range(len(rows))]
-    _MEASURING = (rows, builder)  # inherited by the forked workers: nothing is pickled but the indices
-    try:
-        fork = multiprocessing.get_context("fork")
-        with fork.Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            return pool.map(_measure_in_worker, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
-    finally:
-        _MEASURING = None
-
-
-_MEASURING = None
-
-
-def _measure_in_worker(i):
-    return _measure_row(*_MEASURING, i)
-
-
-def _measure_row(rows, builder, i):
+def _measure_row(i):
+    """builder.measure(row i), or the DataError's message for a bad row; check_rows sets _MEASURING."""
+    rows, builder = _MEASURING
     try:
         return builder.measure(rows[i], rows.where(i))
     except DataError as e:
@@ -235,8 +207,6 @@ class PromptBuilder:
     and, for Qwen-VL models, a weightless copy of the model whose get_rope_index gives the mrope rows."""
 
     def __init__(self, cfg, processor, model_path, trust_remote_code=False):
-        from transformers import AutoConfig, AutoModel
-
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"data.min_pixels={cfg.min_pixels} is larger than data.max_pixels={cfg.max_pixels}")
         self.cfg, self.processor = cfg, processor
@@ -263,7 +233,6 @@ class PromptBuilder:
         ids = out["input_ids"][0]  # [P]
         if len(ids) > cfg.max_prompt_length:
             raise DataError(_overlong(where, len(ids), cfg.max_prompt_length))
-        multi_modal_inputs = {k: out[k] for k in MM_KEYS if k in out}
         position_ids = torch.arange(len(ids)).unsqueeze(0)  # [1, P]
         if self.rope_model is not None:
             mrope, _ = self.rope_model.get_rope_index(  # mm_token_type_ids: text 0, image 1, video 2
@@ -272,13 +241,11 @@ class PromptBuilder:
                 second_per_grid_ts=out.get("second_per_grid_ts"),  # Qwen2.5-VL: temporal patch / sampled fps
                 attention_mask=torch.ones_like(ids).unsqueeze(0))  # [3, 1, P]
             position_ids = torch.cat([position_ids, mrope[:, 0].to(position_ids.dtype)])  # [4, P]
-        answer = self.answer(row, where)
         skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
-                "multi_modal_inputs": multi_modal_inputs,
-                "position_ids": position_ids, "ground_truth": str(answer),
-                "extra": {k: v for k, v in row.items() if k not in skip}}
+                "multi_modal_inputs": {k: out[k] for k in MM_KEYS if k in out}, "position_ids": position_ids,
+                "ground_truth": str(row[cfg.answer_key]), "extra": {k: v for k, v in row.items() if k not in skip}}
 
     def encode(self, row, where):
         """(text, raw_ids, the processor's output, resized images, each video's frames, their metadata)."""
@@ -313,38 +280,32 @@ class PromptBuilder:
         return out
 
     def measure(self, row, where):
-        """The length build() will give, checking the row on the way (answer, placeholders, every image decoded
-        once: a truncated body fails here). Tokens of the unexpanded text plus, per image, its token count
-        minus the one placeholder, from the size after process_image's resize through the image processor's
-        own get_number_of_image_patches (no resize, no processor call). A row with videos is encoded whole."""
+        """The length build() will give, checking the row on the way (every image decoded once: a truncated body
+        fails here). Tokens of the unexpanded text plus, per image, its token count minus the one placeholder,
+        from the size after process_image's resize through the image processor's own
+        get_number_of_image_patches (no resize, no processor call). A row with videos is encoded whole."""
+        cfg = self.cfg
         text, images, videos = self.prompt_text(row, where)
-        self.answer(row, where)
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        cfg = self.cfg
-        for width, height in self.decode(where, "image", images, _image_size, cfg.min_pixels, cfg.max_pixels,
-                                         cfg.image_dir):
+        for image in self.decode(where, "image", images, _open_image, cfg.image_dir):
+            width, height = _target_size(*image.size, cfg.min_pixels, cfg.max_pixels)
             patches = self.image_processor.get_number_of_image_patches(height, width, {})
             n += patches // self.image_processor.merge_size ** 2 - 1
         return n
 
-    def answer(self, row, where):
-        answer = row.get(self.cfg.answer_key)
-        if answer is None:
-            raise DataError(f"{where}: no answer in column '{self.cfg.answer_key}'")
-        return answer
-
     def prompt_text(self, row, where):
-        """(chat-templated text with one placeholder per image and video, the row's images, its videos; unopened).
-
-        The prompt column goes through the format template (`content` = the text), then `<image>` and `<video>`
-        marks split it into image, video and text parts in order; an optional system message comes first; the
-        chat template adds the generation prompt."""
+        """(chat-templated text with one placeholder per image and video, the row's images, its videos; unopened),
+        checking the prompt, answer and placeholders. The prompt column goes through the format template
+        (`content` = the text), then `<image>` and `<video>` marks split it into parts in order; an optional
+        system message comes first."""
         cfg = self.cfg
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
+        if row.get(cfg.answer_key) is None:
+            raise DataError(f"{where}: no answer in column '{cfg.answer_key}'")
         if self.template is not None:
             content = self.template.render(content=content)
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
@@ -370,7 +331,6 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     paths are joined to image_dir). Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by
     s = sqrt(min_pixels / (w h)) rounds sides up, so the bounds hold exactly; sizes in range are kept."""
     image = _open_image(image, image_dir)
-    image.load()
     size = _target_size(image.width, image.height, min_pixels, max_pixels)
     if size != image.size:
         image = image.resize(size)
@@ -382,8 +342,6 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
     `fps` frames per second (sample_frame_indices), each frame resized as process_image resizes an image.
     `video`: a path (relative: joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}. A file whose
     frames do not all decode (truncated, corrupt) raises."""
-    import av
-
     with av.open(_source(video, image_dir)) as container:
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or 0)
@@ -429,18 +387,11 @@ def _target_size(width, height, min_pixels, max_pixels):
     return width, height
 
 
-def _image_size(image, min_pixels, max_pixels, image_dir):
-    """process_image's output size: the image decoded (a truncated body fails here), not resized."""
-    opened = _open_image(image, image_dir)
-    opened.load()
-    if opened is not image:
-        opened.close()
-    return _target_size(*opened.size, min_pixels, max_pixels)
-
-
 def _open_image(image, image_dir):
-    """A lazily opened PIL image (only the header is read) from any accepted form."""
-    return image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
+    """A decoded PIL image from any accepted form (a truncated body fails here; a file is closed after load)."""
+    image = image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
+    image.load()
+    return image
 
 
 def _source(item, image_dir, what="a video"):
@@ -460,9 +411,7 @@ class Rows:
 
     def __init__(self, name, parts):
         self.name, self.parts = name, parts  # parts: [(file or hub id, datasets.Dataset)]
-        self.starts = [0]
-        for _, part in parts:
-            self.starts.append(self.starts[-1] + len(part))
+        self.starts = [0, *itertools.accumulate(len(part) for _, part in parts)]  # part k: starts[k] <= i < starts[k+1]
 
     def __len__(self):
         return self.starts[-1]
@@ -477,9 +426,6 @@ class Rows:
 
     def most_items(self, key):
         """The most items in column `key` of one row (0 where no file has it), read from Arrow, nothing decoded."""
-        import pyarrow
-        import pyarrow.compute
-
         most = 0
         for _, part in self.parts:
             if key in part.column_names:
@@ -540,34 +486,25 @@ def load_rows(spec, cfg):
 
 
 def _read_file(path):
-    """The file as a datasets.Dataset, or None when it has no rows (datasets' own errors on an empty file
-    name neither the file nor the cause)."""
-    builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
-    if builder is None:
+    """The file as a datasets.Dataset, or None when it has no rows: an empty file, a parquet file of zero rows,
+    a json/jsonl file that is blank or `[]` (datasets' own errors there name neither the file nor the cause)."""
+    extension = os.path.splitext(path)[1]
+    if extension not in FILE_BUILDERS:
         raise DataError(f"{path}: not a .parquet, .json or .jsonl file")
-    if _has_no_rows(path):
-        return None
-    try:
-        return datasets.load_dataset(builder, data_files=path, split="train")
-    except Exception as e:
-        raise DataError(f"{path}: not readable as a {os.path.splitext(path)[1]} file: {e!r}") from e
-
-
-def _has_no_rows(path):
-    """True for an empty file, a parquet file of zero rows, or a json/jsonl file that is blank or `[]`."""
     if os.path.getsize(path) == 0:
-        return True
-    if path.endswith(".parquet"):
-        import pyarrow.parquet
-
-        try:
-            return pyarrow.parquet.read_metadata(path).num_rows == 0
-        except Exception:  # not parquet at all: datasets' error says so, with the file name added
-            return False
-    if os.path.getsize(path) > 4096:
-        return False
-    with open(path, "rb") as f:
-        return f.read().strip() in (b"", b"[]")
+        return None
+    if extension == ".parquet":
+        with contextlib.suppress(Exception):  # not parquet at all: datasets' error below says so, naming the file
+            if pyarrow.parquet.read_metadata(path).num_rows == 0:
+                return None
+    elif os.path.getsize(path) <= 4096:
+        with open(path, "rb") as f:
+            if f.read().strip() in (b"", b"[]"):
+                return None
+    try:
+        return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train")
+    except Exception as e:
+        raise DataError(f"{path}: not readable as a {extension} file: {e!r}") from e
 
 
 def _local_path(path):

@@ -4,21 +4,19 @@
     python merge.py --local_dir ... --output DIR --dtype bf16 --max_shard_size 2GB --force
     python merge.py --local_dir ... --merge_lora      # LoRA run: the merged full model, not the adapter
 
-Reads what actor.Actor.save_checkpoint writes: <local_dir>/model/, the torch.distributed.checkpoint (DCP) of
-the model state dict from any number of ranks (its .metadata names every tensor, shape, dtype and piece; for
-LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config, tokenizer, processor,
-chat template; adapter_config.json for LoRA), never modified. Writes to <local_dir>/merged by default
-(<local_dir>/adapter for a LoRA run without --merge_lora), through <output>.partial renamed at the end:
-  full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, named as
-               save_pretrained names them (transformers' revert_weight_conversion, e.g. Qwen2.5-VL
-               model.language_model.layers.* -> model.layers.*), a tied lm_head left out, and every file of
-               huggingface/ copied byte for byte (config.json's "dtype" rewritten only with --dtype).
-  LoRA adapter adapter_model.safetensors with peft's saved names (adapter name removed), adapter_config.json
-               (inference_mode true) and the tokenizer/processor files (no config.json).
+Reads what actor.Actor.save_checkpoint writes, never modified: <local_dir>/model/, the torch.distributed.checkpoint
+(DCP) of the model state dict from any number of ranks (its .metadata names every tensor, shape, dtype and piece;
+for LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config, tokenizer, processor,
+chat template; adapter_config.json for LoRA). Writes <local_dir>/merged (<local_dir>/adapter for a LoRA run
+without --merge_lora) through <output>.partial, renamed at the end:
+  full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, split and
+               named as save_pretrained does (Qwen2.5-VL model.language_model.layers.* -> model.layers.*), a tied
+               lm_head left out, the files of huggingface/ copied (config.json's "dtype" set only with --dtype).
+  LoRA adapter adapter_model.safetensors with peft's saved names, adapter_config.json (inference_mode true) and
+               the tokenizer/processor files (no config.json).
   --merge_lora the full model with W <- W + scale * B @ A for every adapted linear (see merged_tensor).
-Peak memory: one output shard at a time is read from the DCP (dcp.load into tensors of that shard), cast,
-written and freed: about max_shard_size * (stored / written bytes) + the largest tensor; the model itself
-is only built on the meta device.
+Peak memory: one output shard at a time is read from the DCP, cast, written and freed (about max_shard_size *
+stored / written bytes, or the largest tensor); the model itself is only built on the meta device.
 """
 
 import argparse
@@ -32,12 +30,13 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers.core_model_loading import revert_weight_conversion
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth")  # never copied from huggingface/
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth")  # never copied from huggingface/
 
 
 class MergeError(ValueError):
@@ -79,11 +78,8 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    for name in sorted(os.listdir(hf_dir)):  # config, generation config, tokenizer, processor, chat template
-        if name == "adapter_config.json" or name.endswith(WEIGHT_SUFFIXES) or (adapter_only and name == "config.json"):
-            continue
-        src, dst = os.path.join(hf_dir, name), os.path.join(partial, name)
-        shutil.copytree(src, dst) if os.path.isdir(src) else shutil.copy2(src, dst)
+    skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
+    shutil.copytree(hf_dir, partial, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)  # tokenizer, ...
     if dtype is not None and not adapter_only:
         config = {**json.load(open(os.path.join(partial, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
         json.dump(config, open(os.path.join(partial, "config.json"), "w"), indent=2, sort_keys=True)
@@ -101,28 +97,21 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
         raise MergeError(f"{model_dir} does not match the model of {hf_dir}/config.json: missing tensors "
                          f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}). "
                          f"Is huggingface/ from the same run as model/?")
-    shards, shard_bytes = [[]], 0  # consecutive names, in natural order, up to max_bytes written per shard
-    for name in sorted(saved_name, key=natural_key):
+    written = {}  # in-memory name -> a meta tensor of the size and dtype it is written in, in the model's order
+    for name in saved_name:
         stored = tensors[plan[name][0]]
-        nbytes = math.prod(stored.size) * (dtype or stored.properties.dtype).itemsize
-        if shards[-1] and shard_bytes + nbytes > max_bytes:
-            shards, shard_bytes = shards + [[]], 0
-        shards[-1].append(name)
-        shard_bytes += nbytes
-
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        written[name] = torch.empty(stored.size, dtype=dtype or stored.properties.dtype, device="meta")
+    split = split_torch_state_dict_into_shards(written, max_shard_size=max_bytes)  # as save_pretrained splits
+    for file, shard in split.filename_to_tensors.items():
         keys = [key for name in shard for key in (plan[name][0], *(plan[name][1] or ())[:2])]  # W (+ A, B)
         loaded = read_tensors(model_dir, tensors, keys)
         out = {saved_name[name]: cast(merged_tensor(loaded, *plan[name]), dtype) for name in shard}
-        weight_map.update(dict.fromkeys(out, file))
-        total += sum(t.nbytes for t in out.values())
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
         del loaded, out
-    if len(shards) > 1:
+    if split.is_sharded:
+        weight_map = {saved_name[name]: file for name, file in split.tensor_to_filename.items()}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+            json.dump({"metadata": split.metadata, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
 def merged_tensor(loaded, key, lora):
@@ -163,7 +152,7 @@ def lora_plan(tensors, lora):
 
 def write_adapter(model_dir, tensors, lora, out_dir, dtype):
     """adapter_model.safetensors with peft's saved names (`...lora_A.default.weight` -> `...lora_A.weight`)."""
-    keys = sorted((key for key in tensors if ".lora_" in key), key=natural_key)
+    keys = [key for key in tensors if ".lora_" in key]
     adapter = adapter_name(keys)
     loaded = read_tensors(model_dir, tensors, keys)
     out = {re.sub(rf"\.{re.escape(adapter)}(\.weight)?$", r"\1", key): cast(loaded.pop(key), dtype) for key in keys}
@@ -263,10 +252,6 @@ def adapter_name(keys):
     if len(names) != 1:
         raise MergeError(f"expected the LoRA tensors of one adapter in the checkpoint, found {sorted(names) or 'none'}")
     return names.pop()
-
-
-def natural_key(name):  # "layers.10" after "layers.9"
-    return [part.zfill(12) if part.isdigit() else part for part in name.split(".")]
 
 
 def main(argv=None):

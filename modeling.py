@@ -33,27 +33,53 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
                 "video": ("get_video_features", "pixel_values_videos", "video_grid_thw")}
 
 
-# ----------------------------------------------------------------------------------------------
-# Building the model: loading, LoRA, FSDP2
-# ----------------------------------------------------------------------------------------------
+# --- Building the model: loading, LoRA, FSDP2 ----------------------------------------------------------------------
 
 def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
     """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward.
 
-    The reference is frozen; `freeze_vision_tower` freezes the tower; the actor gets non-reentrant gradient
-    checkpointing when enabled. With a process group the model is sharded (shard_model); with
-    fsdp.enable_rank0_init rank 0 reads the weights and the others build on the meta device and receive them.
-    """
+    A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config, with attention routed to
+    packed_attention; LoRA adapters in the master dtype on frozen base weights in the compute dtype. With
+    fsdp.enable_rank0_init rank 0 reads the weights and the other ranks, built on the meta device, receive them."""
+    from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                              PreTrainedConfig)
+
     sharded = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
     rank0_init = sharded and world > 1 and cfg.fsdp.enable_rank0_init
-    hf, module, config, full_state = load_model(cfg.model, master_dtype, compute_dtype, lora_rank,
-                                                meta=rank0_init and rank != 0, keep_full_state=rank0_init and rank == 0)
+    model_cfg = cfg.model
+    AttentionInterface.register(ATTENTION, packed_attention)
+    config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
+                                        **(model_cfg.override_config or {}))
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    weights_dtype = compute_dtype if lora_rank else master_dtype
+    if rank0_init and rank != 0:
+        with torch.device("meta"):
+            hf = auto.from_config(config, dtype=weights_dtype, trust_remote_code=model_cfg.trust_remote_code)
+    else:
+        hf = auto.from_pretrained(model_cfg.model_path, config=config, dtype=weights_dtype,
+                                  trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa")
+    for m in hf.modules():  # every module's config; the setter recurses into sub-configs
+        if isinstance(getattr(m, "config", None), PreTrainedConfig):
+            m.config._attn_implementation = ATTENTION
+    module = hf
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = model_cfg.lora
+        targets = lora.target_modules if lora.target_modules == "all-linear" else \
+            [t.strip() for t in lora.target_modules.split(",") if t.strip()]
+        module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
+                                               target_modules=targets, exclude_modules=lora.exclude_modules))
+        for p in module.parameters():
+            p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
+    full_state = dict(module.state_dict()) if rank0_init and rank == 0 else None
+
     if role == "ref":
         module.requires_grad_(False)
-    elif cfg.model.freeze_vision_tower and getattr(config, "vision_config", None) is not None:
+    elif model_cfg.freeze_vision_tower and getattr(config, "vision_config", None) is not None:
         vision_tower(hf).requires_grad_(False)
-    if role == "actor" and cfg.model.enable_gradient_checkpointing:
+    if role == "actor" and model_cfg.enable_gradient_checkpointing:
         enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.2x
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -73,46 +99,6 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
         broadcast_buffers(hf, device)
     register_fsdp_forward_method(hf, "packed_forward")  # the root's parameters are gathered around it
     return hf, module, config
-
-
-def load_model(model_cfg, master_dtype, compute_dtype, lora_rank, meta=False, keep_full_state=False):
-    """-> (hf model, state module, config, full state dict or None). AutoModelForImageTextToText when the config
-    has a vision_config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), else AutoModelForCausalLM; `meta`: no weights. Attention
-    is routed to packed_attention on every sub-config. LoRA: peft adapters in the master dtype on frozen base
-    weights stored in the compute dtype."""
-    from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
-                              PreTrainedConfig)
-
-    AttentionInterface.register(ATTENTION, packed_attention)
-    config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
-                                        **(model_cfg.override_config or {}))
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    weights_dtype = compute_dtype if lora_rank else master_dtype
-    if meta:
-        with torch.device("meta"):
-            hf = auto.from_config(config, dtype=weights_dtype, trust_remote_code=model_cfg.trust_remote_code)
-    else:
-        hf = auto.from_pretrained(model_cfg.model_path, config=config, dtype=weights_dtype,
-                                  trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa")
-    seen = set()
-    for m in hf.modules():
-        c = getattr(m, "config", None)
-        if isinstance(c, PreTrainedConfig) and id(c) not in seen:
-            seen.add(id(c))
-            c._attn_implementation = ATTENTION  # the setter recurses into sub-configs
-    module = hf
-    if lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        lora = model_cfg.lora
-        targets = lora.target_modules if lora.target_modules == "all-linear" else \
-            [t.strip() for t in lora.target_modules.split(",") if t.strip()]
-        module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
-                                               target_modules=targets, exclude_modules=lora.exclude_modules))
-        for p in module.parameters():
-            p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
-    full_state = dict(module.state_dict()) if keep_full_state else None
-    return hf, module, config, full_state
 
 
 def shard_model(hf, device, fsdp_cfg, compute_dtype, world):
@@ -171,9 +157,7 @@ def dummy_vision_input(hf):
     return torch.zeros(16, dim), torch.tensor([[1, 4, 4]]), hf.config.vision_config.spatial_merge_size
 
 
-# ----------------------------------------------------------------------------------------------
-# Packing and balancing
-# ----------------------------------------------------------------------------------------------
+# --- Packing and balancing -----------------------------------------------------------------------------------------
 
 def partition_balanced(lengths, k, equal_size=False):
     """Split indices 0..len(lengths)-1 into k groups with near-equal sums of lengths: largest first, each
@@ -245,7 +229,6 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
     names = names or [f"sample {i}" for i in range(len(samples))]
     ids, positions, resp_index, labels, seq_lens, resp_lens, mm = [], [], [], [], [], [], {}
     order, first = {"image": [], "video": []}, {}  # first: pixels_key -> the index of its first image in `mm`
-    start = 0
     for name, s in zip(names, samples):
         prompt, response = list(s["prompt_ids"]), list(s["response_ids"])
         if not prompt:
@@ -262,8 +245,7 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         if pos.shape[0] != (4 if is_vl else 1):
             raise ValueError(f"pack_samples: {name}: position_ids has {pos.shape[0]} rows; a VL model takes 4 "
                              "(text + t/h/w; 1 or 3 are completed), a text model 1")
-        steps = torch.arange(1, len(response) + 1)
-        positions.append(torch.cat([pos, pos[:, -1:] + steps], dim=1))  # [R, L]
+        positions.append(torch.cat([pos, pos[:, -1:] + torch.arange(1, len(response) + 1)], dim=1))  # [R, L]
         inputs = s.get("multi_modal_inputs") or {}
         for modality, token in (("image", image_token_id), ("video", video_token_id)):
             _, key, grid = VISION_CALLS[modality]
@@ -280,34 +262,30 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
                 for k in (key, grid):
                     mm.setdefault(k, []).append(torch.as_tensor(inputs[k]))
             order[modality] += range(first[same], first[same] + count)
+        start = len(ids) + len(prompt) - 1  # the row position that predicts the first response token
+        resp_index.append(torch.arange(start, start + len(response)))
         ids += prompt + response
-        resp_index.append(torch.arange(start + len(prompt) - 1, start + len(prompt) + len(response) - 1))
         labels += response
         seq_lens.append(len(prompt) + len(response))
         resp_lens.append(len(response))
-        start += seq_lens[-1]
     position_ids = torch.cat(positions, dim=1)  # [R, T]
     return {
         "input_ids": torch.tensor([ids]),
         "position_ids": position_ids[:, None] if is_vl else position_ids,
-        "cu_seqlens": _cumulative(seq_lens), "max_seqlen": max(seq_lens),
+        "cu_seqlens": torch.tensor([0] + seq_lens).cumsum(0, dtype=torch.int32), "max_seqlen": max(seq_lens),
         "resp_index": torch.cat(resp_index), "labels": torch.tensor(labels, dtype=torch.long),
-        "resp_cu_seqlens": _cumulative(resp_lens), "resp_lens": resp_lens, "seq_lens": seq_lens,
+        "resp_cu_seqlens": torch.tensor([0] + resp_lens).cumsum(0, dtype=torch.int32),
+        "resp_lens": resp_lens, "seq_lens": seq_lens,
         "mm": {k: torch.cat(v) for k, v in mm.items()}, "mm_order": order,
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# The forward: body, vision calls, response-only head
-# ----------------------------------------------------------------------------------------------
+# --- The forward: body, vision calls, response-only head -----------------------------------------------------------
 
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
-    """Bound to the HF model as `packed_forward` (a registered FSDP2 forward method when sharded).
-    -> (logp [N], entropy [N] or [0]) of the response tokens of a packed batch.
-
-    Vision (VL models): one call per modality in `modalities`, always in the same order; a micro-batch
-    without that input runs the tower on a dummy and joins it as zero rows (see _as_zero_rows).
-    """
+    """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
+    (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities`, the same
+    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
@@ -315,13 +293,12 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
         encoded = {}
         for modality in modalities:
             method, pixels, grid = VISION_CALLS[modality]
-            if pixels in batch["mm"]:
-                out = getattr(body, method)(batch["mm"][pixels], batch["mm"][grid], return_dict=True)
-                encoded[modality] = _repeat_images(out, batch["mm_order"][modality], len(batch["mm"][grid]))
-            else:
-                device = batch["input_ids"].device
-                out = getattr(body, method)(dummy_vision[0].to(device), dummy_vision[1].to(device), return_dict=True)
-                encoded[modality] = _as_zero_rows(out)
+            real = pixels in batch["mm"]
+            device = batch["input_ids"].device
+            x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else (t.to(device) for t in dummy_vision[:2])
+            out = getattr(body, method)(x, thw, return_dict=True)
+            order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
+            encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
         kwargs["mm_encoder_outputs"] = encoded
     hidden = body(**kwargs).last_hidden_state[0]  # [T, H]
     return response_log_probs(hidden.index_select(0, batch["resp_index"]), hf.get_output_embeddings(),
@@ -379,8 +356,7 @@ def _as_zero_rows(output):
     """A vision output with every tensor replaced by zero rows that still depend on the tower (x[:0] + 0 * sum):
     merged into the text as nothing, yet the tower joins the backward like a real image would."""
     leaves = []
-    for value in output.values():
-        _map_tensors(value, lambda t: leaves.append(t) or t)
+    _map_tensors(list(output.values()), leaves.append)  # collect every tensor
     zero = sum(t.float().sum() for t in leaves if t.is_floating_point()) * 0.0  # a 0-dim tensor
     for key in list(output.keys()):
         output[key] = _map_tensors(output[key], lambda t: t[:0] + zero.to(t.dtype) if t.is_floating_point() else t[:0])
@@ -395,9 +371,7 @@ def _map_tensors(x, fn):
     return x
 
 
-# ----------------------------------------------------------------------------------------------
-# Attention: sequence-isolated varlen attention, registered with transformers
-# ----------------------------------------------------------------------------------------------
+# --- Attention: sequence-isolated varlen attention, registered with transformers -----------------------------------
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query [1, Hq, T, D], key / value [1, Hkv, T, D] -> ([1, T, Hq, D], None).
@@ -473,9 +447,7 @@ def _log_backend(name):
         logger.info("actor: attention backend %s", name)
 
 
-# ----------------------------------------------------------------------------------------------
-# A bf16 AdamW that loses no small step
-# ----------------------------------------------------------------------------------------------
+# --- A bf16 AdamW that loses no small step -------------------------------------------------------------------------
 
 class AdamWBF16(torch.optim.Optimizer):
     """AdamW for bf16 weights (optim.strategy=adamw_bf16, as EasyR1's AnyPrecisionAdamW): moments m, v and a
@@ -522,9 +494,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 c.copy_(s.sub_(x))
 
 
-# ----------------------------------------------------------------------------------------------
-# FLOPs, weights, devices
-# ----------------------------------------------------------------------------------------------
+# --- FLOPs, weights, devices ---------------------------------------------------------------------------------------
 
 def count_flops_params(hf, text_config):
     """Parameter counts for the FLOP estimate: {"body": text parameters run on every token (the input embedding
@@ -577,20 +547,7 @@ def move_optimizer_state(optimizer, device):
                 state[key] = value.to(device)
 
 
-def to_device(value, device):
-    """Tensors, and dicts of them, moved to `device`; anything else as it is."""
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
-
-
 def _local(t):
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _cumulative(lengths):
-    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)

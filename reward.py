@@ -13,9 +13,9 @@ A reward input (built by the trainer, one per response) is EasyR1's dict plus `p
 A reward function returns one dict of floats per input, with at least "overall" (the scalar reward that
 advantage.py turns into advantages); any other keys are logged as metrics. A user's file is written as for
 EasyR1: a module-level REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of dicts) or
-"sequential" (fn(input, **kwargs) -> dict); the built-ins are sequential. The keyword arguments are checked
-against the function's signature at load, and every result on return (a dict with "overall", finite
-numbers, the same keys for every sample): a RewardError names the function and the sample.
+"sequential" (fn(input, **kwargs) -> dict); the built-ins are sequential. Kwargs are checked at load and
+results on return (a dict with "overall", finite numbers, the same keys for every sample): a RewardError
+names the function and the sample.
 """
 
 import importlib.util
@@ -72,11 +72,11 @@ class RewardFunction:
 
     call_timeout (seconds, or None for no limit) bounds every call: one per sample (sequential) or per batch.
     With a limit the function runs in a reward process forked here (before Ray or any thread starts; the
-    function is not pickled) that serves calls over a pipe; at a timeout it is killed and the step fails,
-    naming the function and the sample (for a batch, the first sample that also times out alone). Not a
-    thread: Python cannot stop one, and one stuck in C code holding the GIL (a regex backtracking on a long
-    response) would block the trainer's timer too.
+    function is not pickled) that serves calls over a pipe, killed at a timeout. Not a thread: Python cannot
+    stop one, and one stuck in C code holding the GIL (a backtracking regex) would block the timer too.
     """
+
+    _worker = None  # (process, pipe) while a reward process runs
 
     def __init__(self, fn, name, reward_type, kwargs, call_timeout=None):
         self.fn, self.name, self.reward_type, self.kwargs = fn, name, reward_type, dict(kwargs)
@@ -88,28 +88,22 @@ class RewardFunction:
         if call_timeout is not None and not call_timeout > 0:
             raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0, "
                               f"or null for no limit")
-        self.call_timeout, self._worker = call_timeout, None  # _worker: (process, pipe) once started
+        self.call_timeout = call_timeout
         if call_timeout is not None:
             self._start()
 
     def __call__(self, inputs):
         """inputs: list of reward-input dicts -> list of {key: float} with "overall", same order."""
         if self.reward_type == "sequential":
-            results = []
-            for i, sample in enumerate(inputs):
-                try:
-                    results.append(self._call(sample))
-                except _Failed as e:
-                    raise self._error(inputs, i, str(e)) from e.__cause__
+            results = [self._call_alone(inputs, i) for i in range(len(inputs))]
         else:
             try:
                 results = self._call(list(inputs))
             except _Failed as e:
-                failing = self._first_failing_sample(inputs)
-                if failing is None:
-                    raise RewardError(f"reward function {self.name!r} {e} on a batch of {len(inputs)} "
-                                      f"(no single sample fails alone)") from e.__cause__
-                raise self._error(inputs, failing[0], failing[1]) from e.__cause__
+                for i in range(len(inputs)):  # name the first sample that also fails alone, if one does
+                    self._call_alone(inputs, i)
+                raise RewardError(f"reward function {self.name!r} {e} on a batch of {len(inputs)} "
+                                  f"(no single sample fails alone)") from e.__cause__
             if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
                 got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
                 raise RewardError(f"reward function {self.name!r} (REWARD_TYPE batch) returned {got} for "
@@ -137,14 +131,12 @@ class RewardFunction:
                 raise self._error(inputs, i, f"returned {key!r} = {scores[key]}")
         return scores
 
-    def _first_failing_sample(self, inputs):
-        """(index, what went wrong) of the first input that fails alone, or None (after a batch failed)."""
-        for i, sample in enumerate(inputs):
-            try:
-                self._call([sample])
-            except _Failed as e:
-                return i, str(e)
-        return None
+    def _call_alone(self, inputs, i):
+        """The function on inputs[i] alone (in a list of one for a batch function), or a RewardError naming it."""
+        try:
+            return self._call(inputs[i] if self.reward_type == "sequential" else [inputs[i]])
+        except _Failed as e:
+            raise self._error(inputs, i, str(e)) from e.__cause__
 
     def _call(self, arg):
         """fn(arg, **kwargs), in this process or, with a call_timeout, in the reward process under the
@@ -198,11 +190,7 @@ class RewardFunction:
             process.kill()
             process.join()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    __del__ = close  # a garbage-collected RewardFunction stops its reward process
 
     def _error(self, inputs, i, what):
         sample = inputs[i]
@@ -241,8 +229,7 @@ def _serve(fn, kwargs, pipe):
 def math_reward(sample, format_weight=0.1, timeout=10.0):
     """Math with a boxed answer (EasyR1's math.py; Geometry3K).
 
-    text     = the response without the white space around every <, > and / (EasyR1's tidy: "< think >"
-               becomes "<think>", and "x < 1 / 2" becomes "x<1/2")
+    text     = tidy(response): "< think >" becomes "<think>", and "x < 1 / 2" becomes "x<1/2"
     format   = 1 if text fullmatches <think>.*</think>.*\\boxed{.*}.* (DOTALL), else 0
     accuracy = 1 if the content of text's LAST \\boxed{...} (nested braces counted) is equivalent to the
                ground truth (is_equivalent), else 0
@@ -269,7 +256,7 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
                (nothing is stripped: a newline after </answer> gives 0, as in EasyR1)
     accuracy = 1 if the content of the first <answer>...</answer> (the whole response when there is
                none, as in EasyR1) is equivalent to the ground truth, else 0
-    overall  = (1 - format_weight) * accuracy + format_weight * format      (0.5 / 0.5 by default)
+    overall  = (1 - format_weight) * accuracy + format_weight * format
     """
     text = sample["response"]
     form = 1.0 if R1V_FORMAT.fullmatch(text) else 0.0
@@ -301,13 +288,9 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
     found = DAPO_ANSWER.findall(sample["response"][-300:])
     answer = found[-1] if found else "[INVALID]"
     accuracy = 1.0 if minerva_normalize(answer) == minerva_normalize(sample["ground_truth"]) else -1.0
-    length, soft_start = sample["response_length"], max_response_length - overlong_buffer_length
-    if length <= soft_start:
-        overlong = 0.0
-    elif length <= max_response_length:
-        overlong = (soft_start - length) / overlong_buffer_length
-    else:
-        overlong = -1.0
+    soft_start = max_response_length - overlong_buffer_length
+    # the formula above as one clip to [-1, 0]; max(L_buf, 1): with no buffer, -1 as soon as L > L_max
+    overlong = min(max((soft_start - sample["response_length"]) / max(overlong_buffer_length, 1), -1.0), 0.0)
     return {"overall": accuracy + overlong_penalty_factor * overlong, "accuracy": accuracy,
             "overlong": overlong, "accuracy_normalized": (accuracy + 1.0) / 2.0}
 
@@ -343,14 +326,10 @@ BUILTIN = {"math": math_reward, "r1v": r1v_reward, "dapo": dapo_reward, "toy": t
 # Helpers: tags, boxed answers, the grader, Minerva normalisation.
 
 def tidy(text):
-    """text without the white space around every <, > and /: EasyR1's re.sub(r"\\s*(<|>|/)\\s*", r"\\1", text)
-    (for Qwen2.5-VL-32B's "< /think >"), in linear time: a run of white space goes when the character
-    before or after it is one of < > /."""
-    parts = re.split(r"(\s+)", text)  # [text, space, text, space, ..., text]
-    for i in range(1, len(parts), 2):
-        if parts[i - 1][-1:] in ("<", ">", "/") or parts[i + 1][:1] in ("<", ">", "/"):
-            parts[i] = ""
-    return "".join(parts)
+    """text without the white space around every <, > and / (for Qwen2.5-VL-32B's "< /think >"): EasyR1's
+    re.sub(r"\\s*(<|>|/)\\s*", r"\\1", text), in linear time: (?<!\\s) starts a match only where a run of
+    white space starts, so no run is rescanned from each of its positions (EasyR1's regex is quadratic)."""
+    return re.sub(r"(?<=[<>/])\s+|(?<!\s)\s+(?=[<>/])", "", text)
 
 
 def last_boxed(text):
@@ -368,11 +347,9 @@ def last_boxed(text):
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
     """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify
-    (\\frac{1}{2}, 0.5, 1/2 and \\dfrac12 agree; units and degree signs are ignored). timeout: seconds
-    (rounded up) for each math-verify step (parse answer, parse ground truth, compare); a timeout or any
-    grader exception counts as not equivalent. math-verify's timeout is SIGALRM, main thread only:
-    elsewhere this raises unless timeout <= 0 (no timeout, so a pathological expression could hang).
-    """
+    (\\frac{1}{2}, 0.5, 1/2 and \\dfrac12 agree; units and degree signs are ignored). timeout: seconds (rounded
+    up) for each math-verify step; a timeout or grader exception counts as not equivalent. The timeout is
+    SIGALRM, main thread only: elsewhere this raises unless timeout <= 0 (no timeout: it could hang)."""
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
     if not answer:
         return False
@@ -414,9 +391,8 @@ MINERVA_REWRITE = [
 
 
 def minerva_normalize(answer):
-    """Minerva's normalisation of a final answer: keep what follows the last "=", drop articles,
-    spaces, "$", unit words and \\text/\\boxed wrappers, expand \\frac12 and \\sqrt2, and drop the
-    commas of a plain integer (1,000 -> 1000)."""
+    """Minerva's normalisation of a final answer: keep what follows the last "=", drop articles, spaces, "$",
+    unit words and \\text/\\boxed wrappers, expand \\frac12 and \\sqrt2, drop the commas of an integer."""
     answer = answer.split("=")[-1]
     for old, new in MINERVA_REPLACE:
         answer = answer.replace(old, new)

@@ -4,21 +4,20 @@
                           device="cuda")                       # cfg.name picks ENGINES["hf" | "vllm"]
     engine.load_weights(actor.named_tensors())                 # after every update (HF names, one at a time)
     engine.wake_up()
-    seed = derive_seed(cfg.seed, step, dp_rank)                # reproducible, never the same stream twice
+    seed = derive_seed(derive_seed(cfg.seed, step, round), dp_rank)   # a fresh, reproducible stream each time
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=max_response_length, seed=seed)
     engine.sleep()                                             # give the memory back to the actor
 
 Config attributes read (RolloutConfig, documented in configs/geo3k.yaml): name, n, temperature, top_p, top_k,
-dtype, ignore_eos, and for vllm also seed, limit_images, gpu_memory_utilization, enforce_eager,
-enable_chunked_prefill, tensor_parallel_size, max_model_len, max_num_batched_tokens, disable_log_stats,
-disable_tqdm, and limit_videos (not a key: the trainer sets it to the most videos in one row of the data).
-Validation passes sampling_settings(cfg, cfg.val_override_config) instead. ignore_eos keeps decoding past EOS
-(throughput runs); the response is still cut after its first EOS, as EasyR1's mask does.
+dtype, ignore_eos (decode past EOS, for throughput runs; the response is still cut there), and for vllm seed,
+limit_images, gpu_memory_utilization, enforce_eager, enable_chunked_prefill, tensor_parallel_size,
+max_model_len, max_num_batched_tokens, disable_log_stats, disable_tqdm and limit_videos (not a key: the trainer
+sets it to the most videos in one row of the data). Validation passes sampling_settings(cfg, val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
-multi_modal_inputs (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, concatenated over the
-batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional for text-only prompts); vllm: raw_prompt_ids (one
-placeholder per image or video), images, videos (sampled frames [T, H, W, 3]) and video_metadata.
+multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
+for text-only prompts); vllm: raw_prompt_ids (one placeholder per image or video), images, videos (sampled
+frames [T, H, W, 3]) and video_metadata.
 
 Each response is a dict:
     prompt_index:   int         index into the prompts given to generate()
@@ -28,49 +27,52 @@ Each response is a dict:
                                 (after the placeholder ban, temperature, top-k and top-p), same length
     finish_reason:  "stop" | "length"   (length = no EOS within max_tokens: truncated)
 generate(prompts, n) returns len(prompts) * n of them, grouped: prompt i owns positions i*n .. i*n+n-1.
-Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j): n requests, not one with n
-samples. The image and video placeholder tokens are banned: a sampled one would break the actor's forward.
+Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j). The image and video
+placeholder tokens are banned: a sampled one would break the actor's forward.
 
-Both engines hold their OWN full copy of the weights (LoRA arrives merged). Generation never runs on the
-FSDP-sharded training module: ranks decode different numbers of steps, and a sharded forward would deadlock
-in its all-gathers.
+Both engines hold their OWN full copy of the weights (LoRA arrives merged): ranks decode different numbers of
+steps, and a forward of the FSDP-sharded training module would deadlock in its all-gathers.
 """
 
+import functools
 import hashlib
 import inspect
 import warnings
 
 import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache,
+                          GenerationConfig)
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
 
 
-def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, dtype=None,
-                 tokenizer_path=None, batch_size=64):
-    """The engine named by cfg.name. dtype (default cfg.dtype): bf16 | fp16 | fp32; use fp32 for hf on CPU.
-    tokenizer_path: where the generation config / tokenizer live if not in model_path. batch_size: hf only,
-    sequences decoded together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
+def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path=None,
+                 batch_size=64):
+    """The engine named by cfg.name, in cfg.dtype (bf16 | fp16 | fp32; fp32 for hf on CPU). tokenizer_path:
+    where the generation config / tokenizer live if not in model_path. batch_size: hf only, sequences decoded
+    together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
     if cfg.name not in ENGINES:
         raise ValueError(f"worker.rollout.name={cfg.name!r} is not one of {sorted(ENGINES)}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"worker.rollout.dtype={cfg.dtype!r} is not one of {sorted(DTYPES)}")
     return ENGINES[cfg.name](cfg, model_path, max_prompt_length=max_prompt_length, device=device,
-                             max_response_length=max_response_length, dtype=dtype or cfg.dtype,
-                             tokenizer_path=tokenizer_path or model_path, batch_size=batch_size)
+                             max_response_length=max_response_length, tokenizer_path=tokenizer_path or model_path,
+                             batch_size=batch_size)
 
 
 def sampling_settings(cfg, override=None):
     """{n, temperature, top_p, top_k} from the config, replaced by `override` (e.g. val_override_config)."""
-    settings = {key: getattr(cfg, key) for key in SAMPLING_KEYS}
     unknown = sorted(set(override or {}) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"worker.rollout.val_override_config: unknown key(s) {unknown}; allowed {list(SAMPLING_KEYS)}")
-    settings.update(override or {})
-    return settings
+    return {**{key: getattr(cfg, key) for key in SAMPLING_KEYS}, **(override or {})}
 
 
 def derive_seed(*parts):
-    """A 62-bit seed from any ints/strings, stable across processes and Python versions (unlike hash()).
-    The trainer calls derive_seed(cfg.seed, step, dp_rank); the engines derive_seed(seed, prompt, sample)."""
+    """A 62-bit seed from any ints/strings, stable across processes and Python versions (unlike hash())."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
@@ -83,21 +85,19 @@ class HFRollout:
     from the prompt (data.py's mrope rows for Qwen-VL) and continue at last_prompt_position + 1, + 2, ... on
     every row, exactly as the actor extends them, so batched and one-by-one generation agree."""
 
-    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, dtype,
-                 tokenizer_path, batch_size=64):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
-
+    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
+                 batch_size=64):
         remote = getattr(cfg, "trust_remote_code", False)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
-        self.is_vl = getattr(config, "vision_config", None) is not None
-        model_class = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
-        self.model = model_class.from_pretrained(model_path, dtype=_torch_dtype(dtype),
+        is_vl = getattr(config, "vision_config", None) is not None
+        model_class = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
+        self.model = model_class.from_pretrained(model_path, dtype=DTYPES[cfg.dtype],
                                                  trust_remote_code=remote).to(device).eval()
         self.model.requires_grad_(False)
         self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path, remote)
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
         self.ignore_eos = cfg.ignore_eos
-        self.position_rows = 4 if self.is_vl else 1  # text row + 3 mrope rows for Qwen-VL
+        self.position_rows = 4 if is_vl else 1  # text row + 3 mrope rows for Qwen-VL
         self.new_cache = lambda: DynamicCache(config=config.get_text_config())
         # transformers renamed the forward's `past_key_values` to `cache` during 5.x; accept either.
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -119,22 +119,16 @@ class HFRollout:
     @torch.no_grad()
     def _generate_batch(self, prompts, rows, temperature, top_p, top_k, max_tokens, seed):
         dev, B = self.device, len(rows)
-        P = max(len(prompts[i]["prompt_ids"]) for i, _ in rows)
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)    # [B, P] left-padded
-        mask = torch.zeros((B, P), dtype=torch.long, device=dev)                     # [B, P] 1 = real token
-        positions = torch.zeros((self.position_rows, B, P), dtype=torch.long, device=dev)  # [R, B, P]
-        for b, (i, _) in enumerate(rows):
-            ids = prompts[i]["prompt_ids"]
-            input_ids[b, P - len(ids):] = torch.as_tensor(ids, device=dev)
-            mask[b, P - len(ids):] = 1
-            positions[:, b, P - len(ids):] = self._prompt_positions(prompts[i], i)
+        left_pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True, padding_side="left")
+        ids = [torch.as_tensor(prompts[i]["prompt_ids"]) for i, _ in rows]
+        input_ids = left_pad(ids, padding_value=self.pad_id).to(dev)                 # [B, P]
+        mask = left_pad([torch.ones_like(x) for x in ids]).to(dev)                   # [B, P] 1 = real token
+        positions = left_pad([self._prompt_positions(prompts[i], i).T for i, _ in rows])  # [B, P, R]
+        positions = positions.permute(2, 0, 1).to(dev)                               # [R, B, P]
         # Per-image tensors concatenated in row order: the placeholders are filled in that order.
-        mm = {}
-        for i, _ in rows:
-            for key, value in (prompts[i].get("multi_modal_inputs") or {}).items():
-                if key in MM_KEYS:
-                    mm.setdefault(key, []).append(value)
-        mm = {key: torch.cat(values).to(dev) for key, values in mm.items()}
+        inputs = [prompts[i].get("multi_modal_inputs") or {} for i, _ in rows]
+        mm = {key: torch.cat([x[key] for x in inputs if key in x]).to(dev)
+              for key in MM_KEYS if any(key in x for x in inputs)}
         generators = [torch.Generator(device=dev).manual_seed(derive_seed(seed, i, j)) for i, j in rows]
         cache = self.new_cache()
         logits = self._forward(input_ids, mask, positions, cache, mm)                # [B, vocab]
@@ -165,20 +159,15 @@ class HFRollout:
 
     def _prompt_positions(self, prompt, index):
         """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
-        length = len(prompt["prompt_ids"])
-        positions = prompt.get("position_ids")
-        if positions is None:
-            if prompt.get("multi_modal_inputs"):
-                raise ValueError(f"prompt {index} (uid {prompt.get('uid')}) has images but no position_ids: "
-                                 f"the hf rollout needs data.py's mrope position_ids [4, P] for image prompts")
-            positions = torch.arange(length)[None]
-        positions = torch.as_tensor(positions)
-        if positions.shape[0] == 1:
-            positions = positions.expand(self.position_rows, -1)
-        if positions.shape != (self.position_rows, length):
+        length, positions = len(prompt["prompt_ids"]), prompt.get("position_ids")
+        if positions is None and prompt.get("multi_modal_inputs"):
+            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}) has images but no position_ids: "
+                             f"the hf rollout needs data.py's mrope position_ids [4, P] for image prompts")
+        positions = torch.arange(length)[None] if positions is None else torch.as_tensor(positions)
+        if positions.shape not in ((1, length), (self.position_rows, length)):
             raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids has shape "
                              f"{tuple(positions.shape)}, expected ({self.position_rows}, {length}) or (1, {length})")
-        return positions
+        return positions.expand(self.position_rows, -1)
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -188,15 +177,14 @@ class HFRollout:
         params = self.model.state_dict()  # name -> tensor sharing storage with the model (as of now)
         unknown, loaded = [], 0
         for name, tensor in named_tensors:
-            target = params.get(name)
-            if target is None:
+            if name not in params:
                 unknown.append(name)
-                continue
-            if target.shape != tensor.shape:
+            elif params[name].shape != tensor.shape:
                 raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the rollout model "
-                                 f"expects {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded += 1
+                                 f"expects {tuple(params[name].shape)}")
+            else:
+                params[name].copy_(tensor)
+                loaded += 1
         if unknown:
             raise KeyError(f"load_weights: {len(unknown)} name(s) unknown to the rollout model "
                            f"{type(self.model).__name__}: {unknown[:8]}; expected e.g. {list(params)[:3]}. "
@@ -249,29 +237,25 @@ class VLLMRollout:
 
     Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation. A step runs
     load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
-    Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests. Each rank passes its
-    own prompts; generate() all-gathers them over the TP group, generates once, and returns this rank's
-    share, with the group's first rank's seed. LoRA: sync merged weights (the supported path).
-    Needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) that the trainer's
-    workers have; checked on vLLM 0.24.0.
-    """
+    Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests, so generate()
+    all-gathers the group's prompts, generates once with the first rank's seed, and returns this rank's share.
+    Needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of the trainer's
+    workers; checked on vLLM 0.24.0."""
 
-    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, dtype,
-                 tokenizer_path, batch_size=None):
+    def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
+                 batch_size=None):
         try:
             import vllm
         except ImportError as error:
             raise ImportError("worker.rollout.name=vllm needs vLLM >= 0.11: pip install -r requirements-gpu.txt "
                               "(or set worker.rollout.name=hf)") from error
-        from transformers import AutoConfig
 
         self.cfg, self.max_response_length = cfg, max_response_length
         remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
         self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path, remote)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
-        # Videos per prompt: the most in one row of the data (the trainer sets limit_videos); 0 when the data has
-        # none, so vLLM neither profiles nor reserves memory for a video.
+        # limit_videos 0 (data without videos): vLLM neither profiles nor reserves memory for a video.
         limits = {"video": getattr(cfg, "limit_videos", 0)}
         limits |= {"image": cfg.limit_images} if cfg.limit_images > 0 else {}
         # Qwen3-VL's video tokens carry timestamps: vLLM wants each video with its metadata (as EasyR1 sends it).
@@ -279,7 +263,7 @@ class VLLMRollout:
         extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
         self.llm = vllm.LLM(
             model=model_path, tokenizer=tokenizer_path, load_format="dummy",
-            dtype=str(_torch_dtype(dtype)).removeprefix("torch."),
+            dtype=str(DTYPES[cfg.dtype]).removeprefix("torch."),
             distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
             enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
@@ -300,30 +284,23 @@ class VLLMRollout:
         max_tokens = max_tokens or self.max_response_length
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="raw_prompt_ids")
         self.wake_up()
-        mine = [{"raw_prompt_ids": list(p["raw_prompt_ids"]), "images": list(p.get("images") or []),
-                 "videos": list(p.get("videos") or []), "video_metadata": list(p.get("video_metadata") or []),
-                 "uid": p["uid"]} for p in prompts]
+        mine = [{key: list(p.get(key) or []) for key in ("raw_prompt_ids", "images", "videos", "video_metadata")}
+                | {"uid": p["uid"]} for p in prompts]  # only what vLLM needs travels to the TP peers
         group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
-        if not group:
-            return []
         requests, params = [], []
         for i, prompt in enumerate(group):
-            for j in range(n):
-                request = {"prompt_token_ids": prompt["raw_prompt_ids"], "multi_modal_data": {}}
-                if prompt["images"]:
-                    request["multi_modal_data"]["image"] = prompt["images"]
-                if prompt["videos"]:  # frames sampled by data.py: vLLM must not sample again
-                    videos = zip(prompt["videos"], prompt["video_metadata"])
-                    request["multi_modal_data"]["video"] = ([(v, {**m, "do_sample_frames": False}) for v, m in videos]
-                                                            if self.video_metadata else prompt["videos"])
-                if not request["multi_modal_data"]:
-                    del request["multi_modal_data"]
+            videos = prompt["videos"]
+            if videos and self.video_metadata:  # frames sampled by data.py: vLLM must not sample again
+                videos = [(v, {**m, "do_sample_frames": False}) for v, m in zip(videos, prompt["video_metadata"])]
+            media = {kind: items for kind, items in (("image", prompt["images"]), ("video", videos)) if items}
+            request = {"prompt_token_ids": prompt["raw_prompt_ids"]} | ({"multi_modal_data": media} if media else {})
+            for j in range(n):  # n requests of one sample each, every one with its own seed
                 requests.append(request)
                 params.append(self.SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                     seed=derive_seed(seed, i, j), logprobs=0, detokenize=False, ignore_eos=self.cfg.ignore_eos,
                     stop_token_ids=[] if self.cfg.ignore_eos else list(self.eos_ids), logit_bias=self.bias))
-        outputs = self.llm.generate(requests, params, use_tqdm=not self.cfg.disable_tqdm)
+        outputs = self.llm.generate(requests, params, use_tqdm=not self.cfg.disable_tqdm) if requests else []
         responses = []
         for k in range(offset * n, (offset + len(prompts)) * n):  # this rank's share, in order
             completion = outputs[k].outputs[0]
@@ -392,18 +369,13 @@ def _vllm_internals(llm):
 
 def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
     """A response dict cut after its first EOS ("stop"); without one it is truncated ("length")."""
-    for t, token in enumerate(token_ids):
-        if token in eos_ids:
-            return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids[:t + 1]),
-                    "logprobs": list(logprobs[:t + 1]), "finish_reason": "stop"}
-    return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids),
-            "logprobs": list(logprobs), "finish_reason": "length"}
+    end = next((t + 1 for t, token in enumerate(token_ids) if token in eos_ids), None)
+    return {"prompt_index": prompt_index, "uid": uid, "response_ids": list(token_ids[:end]),
+            "logprobs": list(logprobs[:end]), "finish_reason": "length" if end is None else "stop"}
 
 
 def _special_ids(config, tokenizer_path, trust_remote_code=False):
     """(EOS ids of the generation config, placeholder ids to ban, pad id)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
     try:
         generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = generation.eos_token_id, generation.pad_token_id
@@ -427,14 +399,6 @@ def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
         missing = [k for k in (key, "uid") if k not in prompt]
         if missing:
             raise KeyError(f"prompt {i} lacks {missing} (has {sorted(prompt)}); data.py makes them")
-
-
-def _torch_dtype(name):
-    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-              "fp32": torch.float32, "float32": torch.float32}
-    if name not in dtypes:
-        raise ValueError(f"worker.rollout.dtype={name!r} is not one of {sorted(dtypes)}")
-    return dtypes[name]
 
 
 ENGINES = {"hf": HFRollout, "vllm": VLLMRollout}
