@@ -317,7 +317,8 @@ def _merge(cfg, layer, source, replace_dicts):
             raise ConfigError(f"{source}: {str(e).splitlines()[0]}") from None
         value, hint = OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False), KEYS[e.full_key]
         if typing.get_origin(hint) is Literal:
-            raise ConfigError(f"{e.full_key}={value!r} is not one of {list(typing.get_args(hint))} ({source})") from None
+            allowed = list(typing.get_args(hint))
+            raise ConfigError(f"{e.full_key}={value!r} is not one of {allowed} ({source})") from None
         expected = " or ".join("null" if t is type(None) else t.__name__
                                for t in typing.get_args(hint) or [hint])
         raise ConfigError(f"{e.full_key}={value!r} ({source}): expected {expected}") from None

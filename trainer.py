@@ -452,8 +452,7 @@ class Logger:
                 points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
                 if points:
                     ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
-            ax.set_title(title)
-            ax.set_xlabel("step")
+            ax.set(title=title, xlabel="step")
             if ax.lines:
                 ax.legend()
         fig.tight_layout()
@@ -497,8 +496,7 @@ def _find_checkpoint(root, load_path, find_last):
         if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path!r} must be an existing global_step_N "
                                   f"folder")
-        problem = _checkpoint_problem(load_path)
-        if problem:
+        if problem := _checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
         return load_path
     tracker = os.path.join(root, TRACKER)
@@ -626,8 +624,8 @@ def check_choices(cfg):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="GRPO and relatives for vision-language models. Overrides: a.b.c=value.",
-                                     epilog="Every key is documented in configs/geo3k.yaml.")
+    parser = argparse.ArgumentParser(description="GRPO and relatives for vision-language models. Overrides: "
+                                     "a.b.c=value.", epilog="Every key is documented in configs/geo3k.yaml.")
     parser.add_argument("--config", default=os.path.join(HERE, "configs", "toy.yaml"),
                         help="YAML config (default: configs/toy.yaml)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

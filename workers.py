@@ -1,9 +1,8 @@
 """workers.py: the Ray plumbing under trainer.py, which a first reading can skip.
 
-One Ray actor per GPU (per process on the CPU, gloo), each hosting the policy (actor.Actor, FSDP2), the
-reference and the rollout engine, colocated. The driver holds a WorkerGroup: it splits lists of plain dicts over
-the workers, calls every worker (`ray.get([w.method.remote(shard) ...])`) and joins the results, so the loop in
-trainer.py reads `self.workers.generate(prompts, sampling)`, `self.workers.update(samples)`.
+One Ray actor per GPU (per process on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the
+rollout engine, colocated. The driver's WorkerGroup splits lists of plain dicts over the workers, calls every worker
+(`ray.get([w.method.remote(shard) ...])`) and joins the results: trainer.py reads `self.workers.update(samples)`.
 """
 
 import copy
@@ -46,16 +45,15 @@ class Worker:
                       use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
                       kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
         self.actor = actor.Actor(a, role="actor", **common)
-        needs_ref = not cfg.algorithm.disable_kl
         ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
-        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
+        needs_ref = not cfg.algorithm.disable_kl and a.model.lora.rank == 0  # LoRA: the policy, its adapter off
+        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref else None
         r = copy.copy(r)
         r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
         self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
                                             max_response_length=d.max_response_length, device=device,
                                             tokenizer_path=a.model.tokenizer_path)
         self.rank = rank
-        return True
 
     def sync_weights(self):
         with device_peak(self.memory, "sync"):
@@ -112,8 +110,8 @@ class WorkerGroup:
         self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
-            if "RAY_ADDRESS" in os.environ or _ray_cluster_running():
-                ray.init(**kwargs)  # the user's cluster
+            if "RAY_ADDRESS" in os.environ or os.path.exists("/tmp/ray/ray_current_cluster"):  # `ray start --head`
+                ray.init(**kwargs)  # the user's cluster, joined as in EasyR1
             else:
                 _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
         gpu = 1 if self.device == "cuda" else 0
@@ -175,11 +173,8 @@ class WorkerGroup:
     def log_probs(self, samples, kind):
         lists, indices = self.shard(samples)
         outs = self._get([w.log_probs.remote(l, kind) for w, l in zip(self.workers, lists)], f"{kind} log-probs")
-        result = [None] * len(samples)
-        for idx, out in zip(indices, outs):
-            for i, lp in zip(idx, out):
-                result[i] = lp
-        return result
+        by_index = {i: logp for idx, out in zip(indices, outs) for i, logp in zip(idx, out)}
+        return [by_index[i] for i in range(len(samples))]  # in the order of `samples`
 
     def update(self, samples):
         """One policy update on every rank (Worker.update -> actor.Actor.update); the ranks' metrics averaged."""
@@ -229,19 +224,11 @@ class device_peak:
 
 
 def _worker_env():
-    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
-           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
-    for key in ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    return env
-
-
-def _ray_cluster_running():
-    """True when `ray start --head` runs on this machine (ray.init() then joins it, as in EasyR1)."""
-    return os.path.exists("/tmp/ray/ray_current_cluster")
+    passed = ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")  # as the driver has them
+    return {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+            "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+            "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", **{key: os.environ[key] for key in passed if key in os.environ}}
 
 
 def _start_local_ray(**kwargs):
