@@ -106,7 +106,6 @@ class WorkerGroup:
         t = cfg.trainer
         self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world = t.nnodes * t.n_gpus_per_node
-        self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
         self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
@@ -155,7 +154,7 @@ class WorkerGroup:
     def shard(self, samples):
         """Per mini-batch, balance samples across ranks by tokens, as many on each; a prompt's responses stay on one
         rank when the groups divide evenly (its image is then encoded once). -> (per-rank lists, per-rank indices)."""
-        lists, indices = [[] for _ in range(self.world)], [[] for _ in range(self.world)]
+        indices = [[] for _ in range(self.world)]
         for start in range(0, len(samples), self.mini_batch):
             chunk = list(range(start, min(start + self.mini_batch, len(samples))))
             groups = {}
@@ -167,8 +166,7 @@ class WorkerGroup:
             lengths = [sum(len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in u) for u in units]
             for rank, part in enumerate(modeling.partition_balanced(lengths, self.world, equal_size=True)):
                 indices[rank] += [i for j in part for i in units[j]]
-                lists[rank] += [samples[i] for j in part for i in units[j]]
-        return lists, indices
+        return [[samples[i] for i in idx] for idx in indices], indices
 
     def log_probs(self, samples, kind):
         lists, indices = self.shard(samples)
