@@ -388,8 +388,7 @@ class Logger:
         """One row per step in experiment_log.jsonl. amend: merge into the last row when it is `step`'s (a resumed
         run's validation of the step it resumes from), replacing the file atomically, so no step has two rows."""
         metrics = {k: float(v) for k, v in metrics.items()}
-        with open(self.jsonl_path) as f:
-            lines = f.readlines() if amend else []
+        lines = open(self.jsonl_path).readlines() if amend else []
         if lines and lines[-1].endswith("\n") and json.loads(lines[-1]).get("step") == step:
             lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics}) + "\n"
             self.jsonl.close()
