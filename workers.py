@@ -8,9 +8,11 @@ rollout engine, colocated. The driver's WorkerGroup splits lists of plain dicts 
 import copy
 import dataclasses
 import os
+import socket
 import threading
 
 import torch
+import torch.distributed as dist
 
 import actor
 import modeling
@@ -28,8 +30,6 @@ class Worker:
     """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
 
     def setup(self, cfg, rank, world_size, master, device, training_steps):
-        import torch.distributed as dist
-
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device == "cpu":
@@ -92,8 +92,6 @@ class Worker:
         self.actor.offload()
 
     def address(self):
-        import socket
-
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
