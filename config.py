@@ -1,30 +1,29 @@
-"""config.py: every setting of a run, with EasyR1's section and key names. Imports no stage module (nor Ray,
-nor datasets), so tests and benchmarks build the real configs here.
+"""config.py: every setting of a run, with EasyR1's section and key names; imports no stage, Ray or datasets.
 
     cfg = load_config("configs/geo3k.yaml", ["worker.rollout.n=8", "trainer.logger=[console,wandb]"])
     cfg.worker.actor.optim.lr                      # 1e-06: plain dataclasses, one per section
 
-One dataclass per EasyR1 section (`data`, `algorithm`, `worker.actor`, `worker.ref`, `worker.rollout`,
-`worker.reward`, `trainer`) with the defaults of EasyR1's `examples/config.yaml`; `configs/geo3k.yaml`
-documents every key once. load_config merges defaults <- YAML file <- `a.b.c=value` overrides as EasyR1 does,
-with OmegaConf structured configs: each value must fit its key's type (`n=2.5` fails, `lr=1e-5` is a float),
-`a,b` sets a list key, and a dict key (override_config, val_override_config, reward_function_kwargs) is replaced
-whole, not merged key by key. An unknown key fails at once and names the closest valid key; check_config
-then checks values that depend on each other. trainer.py checks the values each stage accepts (estimators,
-loss types, dtypes, engines, loggers) against the stages' own tables.
+One dataclass per EasyR1 section with the defaults of EasyR1's `examples/config.yaml` (configs/geo3k.yaml
+documents every key). load_config merges defaults <- YAML file <- `a.b.c=value` overrides with OmegaConf, as
+EasyR1: each value must fit its key's type (`n=2.5` fails, `lr=1e-5` is a float; a Literal lists the values
+allowed), `a,b` sets a list key, a dict key given whole is replaced, not merged. An unknown key names the closest
+valid one; check_config then checks values against each other. trainer.check_choices checks the values each stage
+lists in its own table (estimators, loss types, dtypes, engines, loggers).
 """
 
 import dataclasses
 import difflib
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
 
 @dataclass
 class DataConfig:
@@ -59,9 +58,9 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     disable_kl: bool = False
     use_kl_loss: bool = True
-    kl_penalty: str = "low_var_kl"
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
     kl_coef: float = 1.0e-2
-    kl_type: str = "fixed"
+    kl_type: Literal["fixed", "adaptive"] = "fixed"
     kl_horizon: float = 10000.0
     kl_target: float = 0.1
     gamma: float = 1.0
@@ -95,11 +94,11 @@ class OptimConfig:
     lr: float = 1.0e-6
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 1.0e-2
-    strategy: str = "adamw"
+    strategy: Literal["adamw", "adamw_bf16"] = "adamw"
     lr_warmup_ratio: float = 0.0
     lr_warmup_steps: Optional[int] = None
     min_lr_ratio: Optional[float] = None
-    lr_scheduler_type: str = "constant"
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
 
 
 @dataclass
@@ -123,7 +122,7 @@ class OffloadConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"
+    strategy: Literal["fsdp"] = "fsdp"
     global_batch_size: int = 128
     micro_batch_size_per_device_for_update: int = 1
     micro_batch_size_per_device_for_experience: int = 2
@@ -203,7 +202,7 @@ class TrainerConfig:
     logger: list = field(default_factory=lambda: ["console", "file"])
     nnodes: int = 1
     n_gpus_per_node: int = 8
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     max_try_make_batch: int = 20
     val_freq: int = 5
     val_before_train: bool = True
@@ -258,29 +257,14 @@ def load_config(path=None, overrides=()):
 
 
 def check_config(cfg):
-    """Checks of values against each other, before any model is loaded. The values a stage accepts from its own
-    table (estimators, loss types, dtypes, engines, loggers) are checked in trainer.py."""
-    a, r, d = cfg.worker.actor, cfg.worker.rollout, cfg.data
-    choices = {  # keys whose values no stage lists in a table
-        "algorithm.kl_penalty": (cfg.algorithm.kl_penalty, ["kl", "abs", "mse", "low_var_kl"]),
-        "algorithm.kl_type": (cfg.algorithm.kl_type, ["fixed", "adaptive"]),
-        "worker.actor.strategy": (a.strategy, ["fsdp"]),
-        "worker.actor.optim.strategy": (a.optim.strategy, ["adamw", "adamw_bf16"]),
-        "worker.actor.optim.lr_scheduler_type": (a.optim.lr_scheduler_type, ["constant", "cosine"]),
-        "trainer.device": (cfg.trainer.device, ["auto", "cpu", "cuda"]),
-    }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
-    positive = {"data.rollout_batch_size": d.rollout_batch_size,
-                "data.mini_rollout_batch_size": d.mini_rollout_batch_size,
-                "worker.actor.global_batch_size": a.global_batch_size, "worker.actor.ppo_epochs": a.ppo_epochs,
-                "worker.rollout.n": r.n, "trainer.total_epochs": cfg.trainer.total_epochs,
-                "trainer.max_steps": cfg.trainer.max_steps, "trainer.nnodes": cfg.trainer.nnodes,
-                "trainer.n_gpus_per_node": cfg.trainer.n_gpus_per_node}
-    for key, value in positive.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}={value} must be at least 1")
+    """Checks of values against each other, before any model is loaded."""
+    a, r, d, t = cfg.worker.actor, cfg.worker.rollout, cfg.data, cfg.trainer
+    get = functools.partial(OmegaConf.select, OmegaConf.structured(cfg))  # get("worker.rollout.n")
+    for key in ("data.rollout_batch_size", "data.mini_rollout_batch_size", "worker.actor.global_batch_size",
+                "worker.actor.ppo_epochs", "worker.rollout.n", "trainer.total_epochs", "trainer.max_steps",
+                "trainer.nnodes", "trainer.n_gpus_per_node"):
+        if get(key) is not None and get(key) < 1:
+            raise ConfigError(f"{key}={get(key)} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
     if a.clip_ratio_dual <= 1.0:
@@ -288,7 +272,7 @@ def check_config(cfg):
     if d.rollout_batch_size % a.global_batch_size != 0:
         raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
                           f"worker.actor.global_batch_size={a.global_batch_size}")
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # one worker per GPU (per process on the CPU)
+    world = t.nnodes * t.n_gpus_per_node  # one worker per GPU (per process on the CPU)
     tp = r.tensor_parallel_size if r.name == "vllm" else 1
     if world % tp:
         raise ConfigError(f"worker.rollout.tensor_parallel_size={tp} must divide the {world} workers "
@@ -317,33 +301,27 @@ def config_to_dict(cfg):
 def _merge(cfg, layer, source, replace_dicts):
     """cfg with `layer` merged in (OmegaConf checks keys and types); with replace_dicts, a dict key that the
     layer sets is replaced, not merged entry by entry."""
-    dict_keys = [key for key, hint in KEYS.items() if hint is dict] if replace_dicts else []
-    for key in dict_keys:
+    for key in [k for k, hint in KEYS.items() if hint is dict and replace_dicts]:
         if OmegaConf.select(layer, key, throw_on_resolution_failure=False) is not None:
             OmegaConf.update(cfg, key, {}, merge=False)
     try:
         return OmegaConf.merge(cfg, layer)
-    except ConfigKeyError as e:
-        raise _unknown_key(e.full_key, source) from None
+    except ConfigKeyError as e:  # not a field: name the closest key, or the key of that name in another section
+        leaves = {k.split(".")[-1]: k for k in reversed(KEYS)}  # last part -> the first key ending in it
+        close = difflib.get_close_matches(e.full_key, KEYS, n=1, cutoff=0.5) or [
+            leaves[m] for m in difflib.get_close_matches(e.full_key.split(".")[-1], leaves, n=1, cutoff=0.6)]
+        hint = f" did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"unknown config key {e.full_key!r} ({source}).{hint}") from None
     except OmegaConfBaseException as e:
         if e.full_key not in KEYS:  # e.g. a value given for a whole section
             raise ConfigError(f"{source}: {str(e).splitlines()[0]}") from None
-        value = OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False)
+        value, hint = OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False), KEYS[e.full_key]
+        if typing.get_origin(hint) is Literal:
+            allowed = list(typing.get_args(hint))
+            raise ConfigError(f"{e.full_key}={value!r} is not one of {allowed} ({source})") from None
         expected = " or ".join("null" if t is type(None) else t.__name__
-                               for t in typing.get_args(KEYS[e.full_key]) or [KEYS[e.full_key]])
+                               for t in typing.get_args(hint) or [hint])
         raise ConfigError(f"{e.full_key}={value!r} ({source}): expected {expected}") from None
-
-
-def _unknown_key(key, source):
-    keys = list(KEYS)
-    last = key.split(".")[-1]
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    if not close:  # right name, wrong section: match on the last part
-        close = [k for k in keys if k.split(".")[-1] == last] or difflib.get_close_matches(
-            last, [k.split(".")[-1] for k in keys], n=1, cutoff=0.6)
-        close = [k for k in keys if close and k.split(".")[-1] == close[0].split(".")[-1]][:1]
-    hint = f" did you mean {close[0]}?" if close else ""
-    return ConfigError(f"unknown config key {key!r} ({source}).{hint}")
 
 
 def _config_file(path):

@@ -1,16 +1,13 @@
-"""trainer.py: the command line, the GRPO loop, metrics, loggers and checkpoints. With workers.py, the only
-module that imports the stages.
+"""trainer.py: the command line, the GRPO loop, metrics, loggers and checkpoints. With workers.py (the Ray plumbing,
+which a first reading can skip) the only module that imports the stages; the config is config.py.
 
     python trainer.py                                   # the offline toy default (configs/toy.yaml)
     python trainer.py --config configs/geo3k.yaml       # Qwen2.5-VL-7B on Geometry3K
     python trainer.py --config X.yaml worker.rollout.n=8 algorithm.kl_coef=0.001
     python trainer.py --config X.yaml --print-config    # the resolved config, then exit
 
-The config (EasyR1's sections and keys as dataclasses, YAML and `a.b.c=value` overrides, cross-key
-checks) is config.py; check_choices here checks the values each stage accepts against its own table.
-
-Run.train_step is the README's loop, a line or a short block per stage; workers.py, Ray plumbing a first reading
-can skip, splits each call over the workers (each hosts actor.Actor, the reference and the rollout engine).
+Run.train_step is the README's loop, a line or a short block per stage; `self.workers` splits each call over the
+workers, each hosting actor.Actor, the reference and the rollout engine.
 """
 
 import argparse
@@ -36,36 +33,8 @@ from config import ConfigError, config_to_dict, load_config
 from workers import WorkerGroup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONFIG = os.path.join(HERE, "configs", "toy.yaml")
 
 # --- The loop ---------------------------------------------------------------------------------
-
-def fit(cfg):
-    """Train: steps, validation every val_freq steps, checkpoints every save_freq. Returns the last metrics."""
-    check_choices(cfg)
-    run = Run(cfg)
-    try:
-        return run.fit()
-    except KeyboardInterrupt:
-        print(f"\ninterrupted at step {run.step}; the last complete checkpoint is in {run.ckpt_root}", flush=True)
-        raise SystemExit(130)
-    finally:
-        run.close()
-
-
-def training_steps(cfg, batches_per_epoch):
-    """trainer.max_steps, else as EasyR1 counts: batches_per_epoch x batch // rollout_batch_size x total_epochs,
-    a loader batch being a generation round of mini_rollout_batch_size prompts when that is set."""
-    t, d = cfg.trainer, cfg.data
-    if t.max_steps is not None:
-        return t.max_steps
-    batch = d.mini_rollout_batch_size or d.rollout_batch_size
-    steps = batches_per_epoch * batch // d.rollout_batch_size * t.total_epochs
-    if steps < 1:
-        raise ConfigError(f"{batches_per_epoch} batches of {batch} prompts per epoch make no step of "
-                          f"data.rollout_batch_size={d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
-    return steps
-
 
 class Run:
     """Driver state: config, data, workers, loggers. Only plain lists and dicts cross to the workers."""
@@ -78,14 +47,14 @@ class Run:
         os.makedirs(self.ckpt_root, exist_ok=True)
         checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
-        model_path, remote = cfg.worker.actor.model.model_path, cfg.worker.actor.model.trust_remote_code
-        self.processor, self.tokenizer = data.load_processor(cfg.worker.actor.model.tokenizer_path or model_path, d,
+        model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
+        self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)
-        self.train_loader = data.PromptLoader(d.train_files, d, self.processor, model_path, shuffle=d.shuffle,
-                                              batch_size=d.mini_rollout_batch_size or d.rollout_batch_size,
-                                              drop_last=True, trust_remote_code=remote)
-        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, model_path, batch_size=d.val_batch_size,
-                                            shuffle=False, drop_last=False, trust_remote_code=remote)
+        batch = d.mini_rollout_batch_size or d.rollout_batch_size  # prompts a generation round
+        self.train_loader = data.PromptLoader(d.train_files, d, self.processor, model.model_path, batch_size=batch,
+                                              shuffle=d.shuffle, drop_last=True, trust_remote_code=remote)
+        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, model.model_path, shuffle=False,
+                                            batch_size=d.val_batch_size, drop_last=False, trust_remote_code=remote)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
         rw = cfg.worker.reward
@@ -94,12 +63,19 @@ class Run:
                                                      **{**timeout, **rw.reward_function_kwargs})
         self.kl_ctrl = (advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
                         else advantage.FixedKLController(a.kl_coef))
-        self.training_steps = training_steps(cfg, self.train_loader.batches_per_epoch)
+        # trainer.max_steps, else EasyR1's count: loader batches per epoch x batch // rollout_batch_size x epochs
+        self.training_steps = t.max_steps or (self.train_loader.batches_per_epoch * batch // d.rollout_batch_size
+                                              * t.total_epochs)
+        if self.training_steps < 1:
+            raise ConfigError(f"{self.train_loader.batches_per_epoch} batches of {batch} prompts per epoch make no "
+                              f"step of data.rollout_batch_size={d.rollout_batch_size} prompts; lower it or set "
+                              f"trainer.max_steps")
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
 
     def fit(self):
+        """Train: validation every val_freq steps and at the end, checkpoints every save_freq; -> the last metrics."""
         t, metrics = self.cfg.trainer, {}
         if t.val_before_train or t.val_only:  # also when resuming, as EasyR1
             metrics = self.validate()
@@ -158,38 +134,37 @@ class Run:
     def make_batch(self, metrics):
         """Generate and score rounds of prompts until `rollout_batch_size` groups are kept (online filtering), or
         one round without filtering. -> (prompts, responses, scores, reward/* means over all rounds' responses)."""
-        cfg, a = self.cfg, self.cfg.algorithm
-        want, n = cfg.data.rollout_batch_size, cfg.worker.rollout.n
-        kept_prompts, kept_responses, kept_scores, all_scores = [], [], [], []
-        rounds = 0
-        while len(kept_prompts) < want:
+        a, want, tries = self.cfg.algorithm, self.cfg.data.rollout_batch_size, self.cfg.trainer.max_try_make_batch
+        prompts, responses, scores, all_scores, rounds = [], [], [], [], 0
+        while len(prompts) < want:
             rounds += 1
-            if cfg.trainer.max_try_make_batch > 0 and rounds > cfg.trainer.max_try_make_batch:
-                raise RuntimeError(f"online filtering kept {len(kept_prompts)} of {want} groups after {rounds - 1} "
+            if 0 < tries < rounds:
+                raise RuntimeError(f"online filtering kept {len(prompts)} of {want} groups after {rounds - 1} "
                                    f"rounds (trainer.max_try_make_batch); widen algorithm.filter_low/filter_high, "
                                    f"raise max_try_make_batch, or disable algorithm.online_filtering")
-            prompts = next(self.train_iter)
-            for i, p in enumerate(prompts):
+            batch = next(self.train_iter)
+            for i, p in enumerate(batch):
                 p["uid"] = f"{self.step}-{rounds}-{i}"
-            responses = self.workers.generate(prompts, self.sampling((self.step, rounds)))
+            outs = self.workers.generate(batch, self.sampling((self.step, rounds)))
             with timer(metrics, "reward"):
-                scores = self.score(prompts, responses)
-            all_scores += scores
-            keep = {p["uid"] for p in prompts}
+                batch_scores = self.score(batch, outs)
+            all_scores += batch_scores
+            keep = {p["uid"] for p in batch}
             if a.online_filtering:  # flat groups go only where their advantages would all be 0
-                keep = advantage.groups_to_keep([s[a.filter_key] for s in scores], [r["uid"] for r in responses],
+                keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
                                                 require_spread=a.adv_estimator in advantage.ZERO_WHEN_FLAT)
-            kept = [i for i, p in enumerate(prompts) if p["uid"] in keep][:want - len(kept_prompts)]
-            index = {i: len(kept_prompts) + j for j, i in enumerate(kept)}  # prompt index: in this round -> kept
-            kept_prompts += [prompts[i] for i in kept]
-            kept_responses += [{**r, "prompt_index": index[r["prompt_index"]]} for r in responses
-                               if r["prompt_index"] in index]
-            kept_scores += [s for r, s in zip(responses, scores) if r["prompt_index"] in index]
+            kept = [i for i, p in enumerate(batch) if p["uid"] in keep][:want - len(prompts)]
+            index = {i: len(prompts) + j for j, i in enumerate(kept)}  # prompt index: in this round -> kept
+            prompts += [batch[i] for i in kept]
+            for r, s in zip(outs, batch_scores):
+                if r["prompt_index"] in index:
+                    responses.append({**r, "prompt_index": index[r["prompt_index"]]})
+                    scores.append(s)
         metrics["filter/rounds"] = rounds
-        reward_metrics = {f"reward/{k}": sum(s[k] for s in all_scores) / len(all_scores) for k in all_scores[0]}
-        assert len(kept_responses) == want * n
-        return kept_prompts, kept_responses, kept_scores, reward_metrics
+        assert len(responses) == want * self.cfg.worker.rollout.n
+        return prompts, responses, scores, {f"reward/{k}": sum(s[k] for s in all_scores) / len(all_scores)
+                                            for k in all_scores[0]}
 
     def greedy_rewards(self, prompts):
         """ReMax's baseline: {uid: the reward of the prompt's greedy response} (temperature 0, one response each)."""
@@ -197,15 +172,14 @@ class Run:
         return {p["uid"]: s["overall"] for p, s in zip(prompts, self.score(prompts, greedy))}
 
     def reward_kl(self, samples, metrics):
-        """KL in the reward (use_kl_loss false): -> (token_kl, beta), kl_t = kl_penalty(old_t, ref_t) per response
-        token (N x [L_i]; None without KL in the reward) and its weight this step; the controller then moves beta by
+        """KL in the reward (use_kl_loss false) -> (token_kl, beta): kl_t = kl_penalty(old_t, ref_t) per response
+        token (N x [L_i]; None without KL in the reward) and this step's weight; the controller then moves beta by
         the step's KL, the mean over responses of sum_t kl_t / L_i (actor/kl_penalty)."""
         a, beta = self.cfg.algorithm, self.kl_ctrl.value
         if a.disable_kl or a.use_kl_loss:
             return None, beta
         token_kl = [actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], a.kl_penalty) for s in samples]
-        kl = torch.tensor([float(k.sum()) for k in token_kl], dtype=torch.float64)                  # [N]
-        current_kl = float((kl / torch.tensor([len(s["response_ids"]) for s in samples]).clamp(min=1)).mean())
+        current_kl = sum(float(k.sum()) / max(len(k), 1) for k in token_kl) / len(samples)
         metrics.update({"actor/kl_penalty": current_kl, "actor/kl_coef": beta})
         self.kl_ctrl.update(current_kl, n_steps=len(samples))
         return token_kl, beta
@@ -266,14 +240,10 @@ class Run:
         return metrics
 
     def save_checkpoint(self, metrics):
-        """Write global_step_N/ (actor/, dataloader.pt), then log the step's row (`metrics`), then trainer_state.json
-        with the log's size, then the tracker naming N; then remove old checkpoints.
-
-        Why this order: a checkpoint is used only once trainer_state.json is written (see _checkpoint_problem), and
-        the tracker, written last and atomically, names it only after that. The step's row is on disk before its
-        checkpoint is complete, and a resume cuts the log back to the size saved with the checkpoint it resumes from
-        (Logger.rewind). So after a kill at any point and a resume, the log holds each step's row once, in order.
-        """
+        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, write trainer_state.json (with the log's
+        size), then the tracker naming N, last and atomically; then remove old checkpoints. Why this order: a checkpoint
+        is used only once its trainer_state.json exists (_checkpoint_problem), and a resume cuts the log back to the
+        size saved with it (Logger.rewind): after a kill at any point and a resume, each step's row is there once."""
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
@@ -292,7 +262,6 @@ class Run:
 
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
-        t = self.cfg.trainer
         if path is None:
             self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # rows of an earlier attempt: those steps run again
             self.train_iter = iter(self.train_loader)
@@ -303,7 +272,7 @@ class Run:
         except RuntimeError as e:
             hint = (" It was found through the tracker in trainer.save_checkpoint_path: if that folder holds another "
                     "run (a different model or config), pick a new folder or set trainer.find_last_checkpoint=false."
-                    if t.load_checkpoint_path is None else "")
+                    if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
         self.train_iter = iter(self.train_loader)
@@ -386,9 +355,9 @@ class Logger:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         self.names, self.root = names, root
-        self.jsonl_path = os.path.join(root, "experiment_log.jsonl")
-        self.jsonl = open(self.jsonl_path, "a")  # appended on resume; rows after the checkpoint dropped (rewind)
-        self.generations = open(os.path.join(root, "generations.log"), "a")
+        # appended on resume, after the rows written since the checkpoint are dropped (rewind)
+        self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
+        self.jsonl_path = self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
         _write_json_atomic(os.path.join(root, "experiment_config.json"), config)
         self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
@@ -419,10 +388,7 @@ class Logger:
         """One row per step in experiment_log.jsonl. amend: merge into the last row when it is `step`'s (a resumed
         run's validation of the step it resumes from), replacing the file atomically, so no step has two rows."""
         metrics = {k: float(v) for k, v in metrics.items()}
-        lines = []
-        if amend:
-            with open(self.jsonl_path) as f:
-                lines = f.readlines()
+        lines = open(self.jsonl_path).readlines() if amend else []
         if lines and lines[-1].endswith("\n") and json.loads(lines[-1]).get("step") == step:
             lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics}) + "\n"
             self.jsonl.close()
@@ -485,8 +451,7 @@ class Logger:
                 points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
                 if points:
                     ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
-            ax.set_title(title)
-            ax.set_xlabel("step")
+            ax.set(title=title, xlabel="step")
             if ax.lines:
                 ax.legend()
         fig.tight_layout()
@@ -523,15 +488,14 @@ class CheckpointError(RuntimeError):
 
 def _find_checkpoint(root, load_path, find_last):
     """The global_step_N folder a run resumes from, or None for a fresh start; reads files only (no Ray, no model).
-    An explicit `load_path` must be complete. Otherwise, with `find_last`, the tracker in `root` names the last
-    checkpoint; if that one is incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one
-    is used and the run says so. No tracker: a fresh start. A tracker but no complete checkpoint: an error."""
+    An explicit `load_path` must be complete. Else, with `find_last`, the last checkpoint the tracker in `root` names,
+    or, if that one is incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so.
+    No tracker: a fresh start. A tracker but no complete checkpoint: an error."""
     if load_path is not None:
         if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path!r} must be an existing global_step_N "
                                   f"folder")
-        problem = _checkpoint_problem(load_path)
-        if problem:
+        if problem := _checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
         return load_path
     tracker = os.path.join(root, TRACKER)
@@ -609,12 +573,8 @@ def _remove_old_checkpoints(root, step, best_step, limit):
     """Keep the newest `limit` checkpoints (the best by validation counts toward them and is never removed)."""
     if limit <= 0:
         return
-    steps = _saved_steps(root)
-    keep = {step} | ({best_step} if best_step is not None else set())
-    for s in reversed(steps):
-        if len(keep) >= limit:
-            break
-        keep.add(s)
+    steps, keep = _saved_steps(root), {step, best_step} - {None}
+    keep |= set([s for s in reversed(steps) if s not in keep][:max(limit - len(keep), 0)])
     for s in steps:
         if s not in keep and s < step:
             shutil.rmtree(os.path.join(root, f"global_step_{s}"), ignore_errors=True)
@@ -633,9 +593,7 @@ def _ensure_toy_world(cfg):
             setattr(obj, key, os.path.abspath(path) + at + split)
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line. The config itself (dataclasses, YAML, overrides, cross-key checks) is in config.py.
-# ----------------------------------------------------------------------------------------------
+# --- Command line ------------------------------------------------------------------------------
 
 def check_choices(cfg):
     """The values each stage accepts, checked against the stage's own table before any worker starts."""
@@ -664,11 +622,11 @@ def check_choices(cfg):
                           f"log-probs in less memory; set it to null or to {ref.mp_param_dtype}")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="GRPO and relatives for vision-language models. Overrides: a.b.c=value.",
-        epilog="Every key is documented in configs/geo3k.yaml.")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/toy.yaml)")
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="GRPO and relatives for vision-language models. Overrides: "
+                                     "a.b.c=value.", epilog="Every key is documented in configs/geo3k.yaml.")
+    parser.add_argument("--config", default=os.path.join(HERE, "configs", "toy.yaml"),
+                        help="YAML config (default: configs/toy.yaml)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value")
     args = parser.parse_args(argv)
@@ -677,22 +635,21 @@ def parse_args(argv=None):
         check_choices(cfg)
     except ConfigError as e:
         parser.exit(2, f"config error: {e}\n")
-    return args, cfg
-
-
-def main(argv=None):
-    args, cfg = parse_args(argv)
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
     try:
-        fit(cfg)
-    except ConfigError as e:  # found at start-up (a logger's package, too few batches): one line, not a traceback
-        print(f"config error: {e}", file=sys.stderr)
+        run = Run(cfg)  # found at start-up: a logger's package, too few batches, no complete checkpoint to resume from
+    except (ConfigError, CheckpointError) as e:  # what to change in one line, not a traceback
+        print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return 2
-    except CheckpointError as e:  # no complete checkpoint to resume from: what to change, not a traceback
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
+    try:
+        run.fit()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at step {run.step}; the last complete checkpoint is in {run.ckpt_root}", flush=True)
+        raise SystemExit(130)
+    finally:
+        run.close()
     return 0
 
 

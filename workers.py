@@ -1,17 +1,18 @@
 """workers.py: the Ray plumbing under trainer.py, which a first reading can skip.
 
-One Ray actor per GPU (per process on the CPU, gloo), each hosting the policy (actor.Actor, FSDP2), the
-reference and the rollout engine, colocated. The driver holds a WorkerGroup: it splits lists of plain dicts over
-the workers, calls every worker (`ray.get([w.method.remote(shard) ...])`) and joins the results, so the loop in
-trainer.py reads `self.workers.generate(prompts, sampling)`, `self.workers.update(samples)`.
+One Ray actor per GPU (per process on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the
+rollout engine, colocated. The driver's WorkerGroup splits lists of plain dicts over the workers, calls every worker
+(`ray.get([w.method.remote(shard) ...])`) and joins the results: trainer.py reads `self.workers.update(samples)`.
 """
 
 import copy
 import dataclasses
 import os
+import socket
 import threading
 
 import torch
+import torch.distributed as dist
 
 import actor
 import modeling
@@ -29,8 +30,6 @@ class Worker:
     """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
 
     def setup(self, cfg, rank, world_size, master, device, training_steps):
-        import torch.distributed as dist
-
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device == "cpu":
@@ -46,16 +45,15 @@ class Worker:
                       use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
                       kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
         self.actor = actor.Actor(a, role="actor", **common)
-        needs_ref = not cfg.algorithm.disable_kl
         ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
-        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref and a.model.lora.rank == 0 else None
+        needs_ref = not cfg.algorithm.disable_kl and a.model.lora.rank == 0  # LoRA: the policy, its adapter off
+        self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref else None
         r = copy.copy(r)
         r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
         self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
                                             max_response_length=d.max_response_length, device=device,
                                             tokenizer_path=a.model.tokenizer_path)
         self.rank = rank
-        return True
 
     def sync_weights(self):
         with device_peak(self.memory, "sync"):
@@ -94,8 +92,6 @@ class Worker:
         self.actor.offload()
 
     def address(self):
-        import socket
-
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
@@ -108,12 +104,11 @@ class WorkerGroup:
         t = cfg.trainer
         self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world = t.nnodes * t.n_gpus_per_node
-        self.tp = cfg.worker.rollout.tensor_parallel_size if cfg.worker.rollout.name == "vllm" else 1
         self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
-            if "RAY_ADDRESS" in os.environ or _ray_cluster_running():
-                ray.init(**kwargs)  # the user's cluster
+            if "RAY_ADDRESS" in os.environ or os.path.exists("/tmp/ray/ray_current_cluster"):  # `ray start --head`
+                ray.init(**kwargs)  # the user's cluster, joined as in EasyR1
             else:
                 _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
         gpu = 1 if self.device == "cuda" else 0
@@ -157,7 +152,7 @@ class WorkerGroup:
     def shard(self, samples):
         """Per mini-batch, balance samples across ranks by tokens, as many on each; a prompt's responses stay on one
         rank when the groups divide evenly (its image is then encoded once). -> (per-rank lists, per-rank indices)."""
-        lists, indices = [[] for _ in range(self.world)], [[] for _ in range(self.world)]
+        indices = [[] for _ in range(self.world)]
         for start in range(0, len(samples), self.mini_batch):
             chunk = list(range(start, min(start + self.mini_batch, len(samples))))
             groups = {}
@@ -169,17 +164,13 @@ class WorkerGroup:
             lengths = [sum(len(samples[i]["prompt_ids"]) + len(samples[i]["response_ids"]) for i in u) for u in units]
             for rank, part in enumerate(modeling.partition_balanced(lengths, self.world, equal_size=True)):
                 indices[rank] += [i for j in part for i in units[j]]
-                lists[rank] += [samples[i] for j in part for i in units[j]]
-        return lists, indices
+        return [[samples[i] for i in idx] for idx in indices], indices
 
     def log_probs(self, samples, kind):
         lists, indices = self.shard(samples)
         outs = self._get([w.log_probs.remote(l, kind) for w, l in zip(self.workers, lists)], f"{kind} log-probs")
-        result = [None] * len(samples)
-        for idx, out in zip(indices, outs):
-            for i, lp in zip(idx, out):
-                result[i] = lp
-        return result
+        by_index = {i: logp for idx, out in zip(indices, outs) for i, logp in zip(idx, out)}
+        return [by_index[i] for i in range(len(samples))]  # in the order of `samples`
 
     def update(self, samples):
         """One policy update on every rank (Worker.update -> actor.Actor.update); the ranks' metrics averaged."""
@@ -229,19 +220,11 @@ class device_peak:
 
 
 def _worker_env():
-    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
-           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
-    for key in ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    return env
-
-
-def _ray_cluster_running():
-    """True when `ray start --head` runs on this machine (ray.init() then joins it, as in EasyR1)."""
-    return os.path.exists("/tmp/ray/ray_current_cluster")
+    passed = ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")  # as the driver has them
+    return {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+            "VLLM_LOGGING_LEVEL": "WARN", "NCCL_DEBUG": "WARN", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+            "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", **{key: os.environ[key] for key in passed if key in os.environ}}
 
 
 def _start_local_ray(**kwargs):
