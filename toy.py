@@ -22,8 +22,7 @@ What it builds, deterministically from a seed, in a few seconds, cached under `r
 From the warm starts, GRPO lifts greedy validation accuracy past 0.9 within minutes on two CPU cores: the VL
 policy (configs/toy.yaml) from 0.19, the text one (configs/toy_text.yaml) from chance (README, "Measured").
 
-The toy world is not a stage: it is data and weights on disk, read by the stages through the same
-code paths as a real Hugging Face model and a real dataset.
+The toy world is not a stage: data and weights on disk, read through the same code paths as a real model and dataset.
 """
 
 import argparse
@@ -282,13 +281,13 @@ def warm_start(src, dst, task, seed, batch_size=32, lr=3e-3):
 
     The model learns the format (greedy answers are well-formed, sampled ones almost always) and the answer
     vocabulary, but nothing about the content: the labels are independent of the prompt, so its answers are
-    at chance. Like the instruction-tuned model a real GRPO run starts from. Warm-up prompts are fresh (not
-    the task's train or test rows; for colours, the grey background without a square; for sums, "a + b"). Loss: mean
-    cross-entropy over the response tokens (EOS included); AdamW.
-
-    Random labels teach whatever trains to ignore the input. For colours only the top trains (last decoder layer,
-    final norm, head; with everything, learning the true colours afterwards was several times slower). For sums all
-    trains, but every other batch is a task with TRUE labels ("What is 2 - 1?" -> 1): the digits stay worth reading.
+    at chance. Like the instruction-tuned model a real GRPO run starts from. Prompts: for colours the grey background
+    without a square; for sums the task's questions. Loss: mean cross-entropy over the response tokens (EOS
+    included); AdamW. Random labels teach whatever trains to ignore the input. For colours only the top trains (last
+    decoder layer, final norm, head; with everything, learning the true colours afterwards was several times slower).
+    For sums all trains, but every other batch is a task with TRUE labels ("What is 3 - 1?" -> 2), so the digits
+    stay worth reading. (With "What is a + b?" for the random sums, the differences carried over: most sums got
+    "0" with p > 0.9, the right answer was never sampled and GRPO stalled near 0.69.)
     """
     import torch
     from PIL import Image
@@ -317,12 +316,13 @@ def warm_start(src, dst, task, seed, batch_size=32, lr=3e-3):
                 shade = rng.randint(90, 160)  # the background alone: no square whose colour to learn to ignore
                 images.append(Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), (shade, shade, shade)))
                 question, answer = "What colour is the square?", rng.choice(sorted(COLORS))
-            elif step % 2:  # a true difference of two digits, 0 to 2 * SUM_DIGITS
-                x = rng.randint(0, 9)
-                y = rng.randint(max(0, x - 2 * SUM_DIGITS), x)
+            elif step % 2:  # a true difference, 0 to 2 * SUM_DIGITS
+                x = rng.randint(0, 2 * SUM_DIGITS)
+                y = rng.randint(0, x)
                 question, answer = f"What is {x} - {y}?", str(x - y)
-            else:  # letters: no digits to learn to ignore
-                question, answer = "What is a + b?", str(rng.randint(0, 2 * SUM_DIGITS))
+            else:  # a sum with a random answer
+                a, b = rng.randint(0, SUM_DIGITS), rng.randint(0, SUM_DIGITS)
+                question, answer = f"What is {a} + {b}?", str(rng.randint(0, 2 * SUM_DIGITS))
             if question not in prompts:
                 content = [{"type": "image"}, {"type": "text", "text": question}] if is_vl else question
                 prompts[question] = processor.apply_chat_template([{"role": "user", "content": content}],
