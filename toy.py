@@ -6,27 +6,23 @@
 
 What it builds, deterministically from a seed, in a few seconds, cached under `root`:
 
-  vl-model/     a tiny random-init Qwen2.5-VL (text: 2 layers, hidden 64; vision: 2 blocks, hidden 32)
-                saved as a normal Hugging Face folder: config.json, model.safetensors, a real fast
-                tokenizer (word level over the task vocabulary, Qwen's special tokens, a Qwen-style
-                chat template), the Qwen2-VL image and video processors, generation_config.json with
-                the EOS list. `AutoProcessor` and `AutoModelForImageTextToText` load it.
-  text-model/   the same tokenizer and a tiny Qwen2 causal LM (`AutoModelForCausalLM`).
-  vl_warm/, text_warm/   the two models after a warm start (warm_start: ~10 s of supervised fine-tuning
-                on the CPU): they answer `<answer>red</answer>` + EOS, the content at chance. The toy
-                configs start from these, as a real GRPO run starts from an instruction-tuned model.
+  vl_model/     a tiny random-init Qwen2.5-VL (text: 2 layers, hidden 64; vision: 2 blocks, hidden 32) saved as a
+                Hugging Face folder with a real fast tokenizer (build_tokenizer; Qwen's special tokens, a Qwen-style
+                chat template), the Qwen2-VL image and video processors and generation_config.json with the EOS
+                list. `AutoProcessor` and `AutoModelForImageTextToText` load it.
+  text_model/   the same tokenizer and a tiny Qwen2 causal LM (`AutoModelForCausalLM`).
+  vl_warm/, text_warm/   the two after a warm start (warm_start: 10-20 s of supervised fine-tuning on the CPU):
+                they answer `<answer>red</answer>` + EOS, the content at chance; the toy configs start from these.
   colors/       train.parquet / test.parquet in the Geometry3K schema (`problem` with `<image>`,
                 `answer`, `images` as a list of {"bytes": png}): name the colour of the square.
-  sums/         train.parquet / test.parquet, text only: "What is 3 + 4?" -> "7" (each sum 0-8 equally often).
+  sums/         train.parquet / test.parquet, text only: "What is 1 + 2?" -> "3" (digits 0-2, sums equally often).
   video_colors/ train.parquet / test.parquet with a `videos` column (MP4 bytes, 4 frames at 2 fps) and
                 `<video>` in `problem`: which colour the square has in most frames (3 of the 4).
 
-The warm-started VL policy answers every test image in format and names one colour for all of them (greedy
-accuracy 0.19); GRPO (configs/toy.yaml) lifts greedy validation accuracy past 0.9 in about 90 steps, a few
-minutes on two CPU cores (README, "Measured").
+From the warm starts, GRPO lifts greedy validation accuracy past 0.9 within minutes on two CPU cores: the VL
+policy (configs/toy.yaml) from 0.19, the text one (configs/toy_text.yaml) from chance (README, "Measured").
 
-The toy world is not a stage: it is data and weights on disk, read by the stages through the same
-code paths as a real Hugging Face model and a real dataset.
+The toy world is not a stage: data and weights on disk, read through the same code paths as a real model and dataset.
 """
 
 import argparse
@@ -38,7 +34,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 13
+TOY_VERSION = 14
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -66,7 +62,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-WARM_STEPS = 300        # supervised warm-start steps (warm_start)
+WARM_STEPS = {"colors": 300, "sums": 600}  # supervised warm-start steps (warm_start)
+SUM_DIGITS = 2           # sums task: a + b with a, b in 0..SUM_DIGITS
 IMAGE_SIDE = 56          # 56 x 56 pixels -> 4 x 4 patches of 14 -> 2 x 2 = 4 image tokens
 VIDEO_FRAMES, VIDEO_FPS = 4, 2  # toy clips: 2 seconds
 MIN_PIXELS = 56 * 56
@@ -80,9 +77,8 @@ def ensure_toy(root=".toy", seed=0):
     (several test processes) are safe: each builds in a temporary folder and renames it into place.
     """
     root = os.path.abspath(root)
-    paths = {name: os.path.join(root, name) for name in ("vl_model", "text_model", "colors", "sums", "vl_warm",
-                                                         "text_warm")}
-    paths["video_colors"] = os.path.join(root, "video_colors")
+    names = ("vl_model", "text_model", "colors", "sums", "vl_warm", "text_warm", "video_colors")
+    paths = {name: os.path.join(root, name) for name in names}
     stamp = os.path.join(root, "VERSION")
     if (os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}"
             and os.path.isdir(paths["video_colors"])):
@@ -114,7 +110,8 @@ def build_tokenizer(pad_to=None):
     vocabulary and merges), trained on the toy tasks' text so every task word is one token.
 
     Unlike Qwen's, its alphabet is printable ASCII, space and newline (167 tokens in all): other
-    characters are not in the vocabulary and are dropped when encoding.
+    characters are not in the vocabulary and are dropped when encoding: a small vocabulary gives a random-init
+    model a fair chance of naming a colour at all.
 
     `pad_to`: fill the vocabulary with placeholder tokens "<t167>", "<t168>", ... up to this size. Text
     never encodes to them (no merge makes them); ids sampled from a full-size random model decode."""
@@ -128,8 +125,6 @@ def build_tokenizer(pad_to=None):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     model.decoder = decoders.ByteLevel()
-    # The alphabet is the bytes of printable ASCII and newline only (not all 256 byte symbols): a
-    # small vocabulary gives a random-init model a fair chance of naming a colour at all.
     alphabet = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level symbols of ' ' and '\n'
     trainer = trainers.BpeTrainer(
         vocab_size=len(alphabet) + len(SPECIAL_TOKENS) + 64, min_frequency=2, special_tokens=SPECIAL_TOKENS,
@@ -160,9 +155,8 @@ def _tokenizer_corpus():
     return (colors + lines) * 50
 
 
-# Qwen2.5-VL shapes: the toy (fp32, untied, small images), Qwen2.5-VL-3B-Instruct's (bf16, tied; about 3.8 B
-# parameters, 7.5 GB on disk) and Qwen2.5-VL-7B-Instruct's (bf16, untied; about 8.3 B parameters, 16.6 GB), the
-# latter two for timing the loop on a GPU with the toy tasks' data.
+# Qwen2.5-VL shapes: the toy (fp32, untied, small images); for timing the loop on a GPU, Qwen2.5-VL-3B-Instruct's
+# (bf16, tied; 3.8 B parameters, 7.5 GB on disk) and Qwen2.5-VL-7B-Instruct's (bf16, untied; 8.3 B, 16.6 GB).
 VL_SHAPES = {
     "toy": dict(
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -275,25 +269,25 @@ def write_sums_task(path, seed, n_train, n_test):
     rng = random.Random(seed + 1)
     rows = []
     for _ in range(n_train + n_test):
-        total = rng.randint(0, 8)  # every sum equally often: always giving the commonest one scores 1/9, not 1/5
-        a = rng.randint(max(0, total - 4), min(4, total))
+        total = rng.randint(0, 2 * SUM_DIGITS)  # every sum equally often: no one answer is worth always giving
+        a = rng.randint(max(0, total - SUM_DIGITS), min(SUM_DIGITS, total))
         rows.append({"problem": f"What is {a} + {total - a}?", "answer": str(total)})
     _write_parquet(path, rows[:n_train], rows[n_train:])
 
 
-def warm_start(src, dst, task, seed, steps=WARM_STEPS, batch_size=32, lr=3e-3):
+def warm_start(src, dst, task, seed, batch_size=32, lr=3e-3):
     """Supervised fine-tuning of the model in `src` (saved to `dst`, with its tokenizer, processor and generation
     config) on `task`'s prompts, answered in the toy format with RANDOM labels: `<answer>blue</answer>` + EOS.
 
     The model learns the format (greedy answers are well-formed, sampled ones almost always) and the answer
     vocabulary, but nothing about the content: the labels are independent of the prompt, so its answers are
-    at chance. Like the instruction-tuned model a real GRPO run starts from. Warm-up prompts are fresh (not
-    the task's train or test rows; for colours, the grey background without a square; for sums, "a + b"). Loss: mean
-    cross-entropy over the response tokens (EOS included); AdamW.
-
-    Only the top trains (the last decoder layer, the final norm and the head): random labels teach whatever
-    trains to ignore the input, and when the embeddings, the first layer and the vision tower trained too,
-    supervised learning of the true colours afterwards was several times slower (to 0.98: 30 steps vs 10).
+    at chance. Like the instruction-tuned model a real GRPO run starts from. Prompts: for colours the grey background
+    without a square; for sums the task's questions. Loss: mean cross-entropy over the response tokens (EOS
+    included); AdamW. Random labels teach whatever trains to ignore the input. For colours only the top trains (last
+    decoder layer, final norm, head; with everything, learning the true colours afterwards was several times slower).
+    For sums all trains, but every other batch is a task with TRUE labels ("What is 3 - 1?" -> 2), so the digits
+    stay worth reading. (With "What is a + b?" for the random sums, the differences carried over: most sums got
+    "0" with p > 0.9, the right answer was never sampled and GRPO stalled near 0.69.)
     """
     import torch
     from PIL import Image
@@ -309,21 +303,26 @@ def warm_start(src, dst, task, seed, steps=WARM_STEPS, batch_size=32, lr=3e-3):
     processor = AutoProcessor.from_pretrained(src) if is_vl else AutoTokenizer.from_pretrained(src)
     tokenizer = processor.tokenizer if is_vl else processor
     top = f"layers.{model.config.get_text_config().num_hidden_layers - 1}."
-    for name, param in model.named_parameters():  # the top only: last decoder layer, final norm, head
-        param.requires_grad_(name == "lm_head.weight" or "visual" not in name and (
+    for name, param in model.named_parameters():  # colours: the top only (last decoder layer, final norm, head)
+        param.requires_grad_(not is_vl or name == "lm_head.weight" or "visual" not in name and (
             top in name or name.endswith("norm.weight") and "layers." not in name))
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     prompts = {}  # question -> chat-templated prompt (the template is slow to render)
-    for _ in range(steps):
+    for step in range(WARM_STEPS[task]):
         texts, images, answers = [], [], []
         for _ in range(batch_size):
             if is_vl:
                 shade = rng.randint(90, 160)  # the background alone: no square whose colour to learn to ignore
                 images.append(Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), (shade, shade, shade)))
                 question, answer = "What colour is the square?", rng.choice(sorted(COLORS))
-            else:
-                question, answer = "What is a + b?", str(rng.randint(0, 8))  # letters: no digits to learn to ignore
+            elif step % 2:  # a true difference, 0 to 2 * SUM_DIGITS
+                x = rng.randint(0, 2 * SUM_DIGITS)
+                y = rng.randint(0, x)
+                question, answer = f"What is {x} - {y}?", str(x - y)
+            else:  # a sum with a random answer
+                a, b = rng.randint(0, SUM_DIGITS), rng.randint(0, SUM_DIGITS)
+                question, answer = f"What is {a} + {b}?", str(rng.randint(0, 2 * SUM_DIGITS))
             if question not in prompts:
                 content = [{"type": "image"}, {"type": "text", "text": question}] if is_vl else question
                 prompts[question] = processor.apply_chat_template([{"role": "user", "content": content}],

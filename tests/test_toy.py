@@ -99,6 +99,8 @@ def test_warm_start_answers_in_format_with_content_at_chance(toy, model, task):
     from PIL import Image
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
+    import toy as toy_world
+
     is_vl = task == "colors"
     policy = (AutoModelForImageTextToText if is_vl else AutoModelForCausalLM).from_pretrained(toy[model]).eval()
     processor = (AutoProcessor if is_vl else AutoTokenizer).from_pretrained(toy[model])
@@ -113,7 +115,7 @@ def test_warm_start_answers_in_format_with_content_at_chance(toy, model, task):
         images = [Image.open(io.BytesIO(r[0]["bytes"])) for r in rows["images"]]
     inputs = processor(text=texts, images=images, return_tensors="pt") if is_vl else processor(texts, return_tensors="pt")
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
-    choices = ["red", "green", "blue", "yellow"] if is_vl else [str(k) for k in range(9)]
+    choices = ["red", "green", "blue", "yellow"] if is_vl else list(map(str, range(2 * toy_world.SUM_DIGITS + 1)))
     torch.manual_seed(0)
     for sampled in (False, True):
         with torch.no_grad():

@@ -174,7 +174,7 @@ def test_variants_run_a_step(tmp_path, toy, name, extra):
 
 # (config, seed, steps): two seeds of the default, the text toy, LoRA. Steps leave room over the measured
 # steps-to-0.9 (README, "Measured"); each run is a few minutes on 2 cores.
-LEARNING_RUNS = [("toy.yaml", 1, 200), ("toy.yaml", 2, 200), ("toy_lora.yaml", 1, 200)]
+LEARNING_RUNS = [("toy.yaml", 1, 200), ("toy.yaml", 2, 200), ("toy_lora.yaml", 1, 200), ("toy_text.yaml", 1, 150)]
 
 
 @pytest.mark.slow
