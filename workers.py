@@ -44,6 +44,7 @@ class Worker:
                       max_response_length=d.max_response_length, n_per_prompt=r.n, training_steps=training_steps,
                       use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
                       kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
+        torch.manual_seed(d.seed)  # the model's random init (LoRA adapters): the same on every rank and every run
         self.actor = actor.Actor(a, role="actor", **common)
         ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
         needs_ref = not cfg.algorithm.disable_kl and a.model.lora.rank == 0  # LoRA: the policy, its adapter off
