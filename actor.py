@@ -249,12 +249,13 @@ class Actor:
         self.compute_dtype = DTYPES[cfg.fsdp.mp_param_dtype]
         master = DTYPES[cfg.fsdp.torch_dtype or "fp32"] if role == "actor" else self.compute_dtype
         self.lora_rank = cfg.model.lora.rank if role == "actor" else 0
-        if cfg.use_torch_compile:
-            logger.warning("worker.actor.use_torch_compile is ignored: the log-prob head runs eagerly")
 
         # 1. Load, freeze what is frozen, shard with FSDP2 (modeling.py).
+        compile_layers = cfg.use_torch_compile and self.device.type == "cuda"
+        if cfg.use_torch_compile and not compile_layers and self.rank == 0:
+            logger.info("%s: use_torch_compile applies on CUDA only; the layers run eagerly on %s", role, self.device)
         self.hf, self.module, self.hf_config = build_model(cfg, role, self.device, master, self.compute_dtype,
-                                                           self.lora_rank)
+                                                           self.lora_rank, compile_layers)
         text = self.hf_config.get_text_config()
         self.is_vl = getattr(self.hf_config, "vision_config", None) is not None
         self.image_token_id = getattr(self.hf_config, "image_token_id", None)

@@ -140,7 +140,7 @@ class ActorConfig:
     padding_free: bool = True
     dynamic_batching: bool = True
     ulysses_size: int = 1
-    use_torch_compile: bool = False
+    use_torch_compile: bool = True
     compute_entropy: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

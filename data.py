@@ -47,7 +47,6 @@ import multiprocessing
 import os
 import re
 
-import av
 import datasets
 import jinja2
 import numpy
@@ -342,6 +341,8 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
     `fps` frames per second (sample_frame_indices), each frame resized as process_image resizes an image.
     `video`: a path (relative: joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}. A file whose
     frames do not all decode (truncated, corrupt) raises."""
+    import av  # PyAV, only for video rows
+
     with av.open(_source(video, image_dir)) as container:
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or 0)

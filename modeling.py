@@ -35,7 +35,7 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
 
 # --- Building the model: loading, LoRA, FSDP2 ----------------------------------------------------------------------
 
-def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
+def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compile_layers=False):
     """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward.
 
     A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config, with attention routed to
@@ -86,6 +86,13 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank):
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.train(role == "actor")  # dropout is 0 in the supported models; train() enables checkpointing
+    if compile_layers:  # each decoder layer / vision block fused by torch.compile (dynamic shapes); attention eager
+        # The layers share transformers' checkpointing wrapper, compiled once per (layer class, FSDP subclass,
+        # input rank): about 10 graphs, over torch's default limit of 8 per code object.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        for m in hf.modules():
+            if type(m).__name__ in set(getattr(hf, "_no_split_modules", None) or []):
+                m.compile(dynamic=True)
     hf.packed_forward = types.MethodType(packed_forward, hf)
     if not sharded:
         return hf.to(device), module, config
@@ -113,15 +120,18 @@ def shard_model(hf, device, fsdp_cfg, compute_dtype, world):
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
     offload = fsdp_cfg.enable_cpu_offload and device.type == "cuda"
-    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype],
-                                     cast_forward_inputs=True)
-    kwargs = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.enable_full_shard, mp_policy=precision,
+    # Only the root casts its floating inputs (pixels) to the compute dtype. A layer's inputs are already in it,
+    # except the vision rotary cos / sin (fp32): cast on the forward pass but not on the checkpoint recompute (FSDP2
+    # skips its pre-forward in backward), they would differ between the two.
+    precision = [MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype],
+                                      cast_forward_inputs=cast) for cast in (False, True)]
+    kwargs = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.enable_full_shard,
                   offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     units = set(getattr(hf, "_no_split_modules", None) or [])
     for m in list(hf.modules()):
         if type(m).__name__ in units:
-            fully_shard(m, **kwargs)
-    fully_shard(hf, **kwargs)
+            fully_shard(m, mp_policy=precision[0], **kwargs)
+    fully_shard(hf, mp_policy=precision[1], **kwargs)
 
 
 def broadcast_buffers(hf, device):
@@ -398,6 +408,7 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     return out[None], None
 
 
+@torch.compiler.disable  # a kernel call with Python-side dispatch: a clean break in a compiled decoder layer
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
     """q [T, Hq, D], k / v [T, Hkv, D], sequences at cu_seqlens [n + 1] -> [T, Hq, D]. Backends, logged once:
     flash-attn varlen (CUDA, installed); torch varlen_attn (CUDA, bf16/fp16); else an exact block-diagonal

@@ -9,6 +9,7 @@ micro-batches of at most 16,384 tokens), one optimizer step per update (`--optim
     fp32       fp32 master weights and AdamW state, bf16 compute by autocast (one GPU, no process group)
     bf16       bf16 weights (fsdp.torch_dtype=bf16), plain AdamW
     fp32-fsdp  as fp32, but FSDP2 over a one-rank process group (bf16 MixedPrecisionPolicy)
+    MODE+compile  MODE with worker.actor.use_torch_compile (each decoder layer and vision block torch.compiled)
 For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up (synchronised), response +
 prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, and the top CUDA kernels
 of one log-prob micro-batch and one update micro-batch (torch.profiler). `--actor-file` times another copy of
@@ -101,8 +102,9 @@ def bare_generate(repeats):
 
 
 def run_mode(actor, mode, repeats):
-    weights = "bf16" if mode == "bf16" else "fp32"
+    weights = "bf16" if mode.startswith("bf16") else "fp32"
     cfg = actor_config(MODEL, max_tokens_per_micro_batch=16384, compute_entropy=False, global_batch_size=SAMPLES // STEPS,
+                       use_torch_compile=mode.endswith("+compile"),
                        **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": "bf16", "fsdp.mp_reduce_dtype": "fp32",
                           "model.enable_gradient_checkpointing": True, "optim.lr": 1e-6})
     policy = actor.Actor(cfg, device="cuda", max_prompt_length=PROMPT, max_response_length=RESPONSE,
@@ -151,7 +153,7 @@ def main():
         results["generate_new_tokens_per_s"] = SAMPLES * RESPONSE / results["generate_s"]
         print(json.dumps(results), flush=True)
     for mode in args.modes.split(","):
-        if mode == "fp32-fsdp" and not torch.distributed.is_initialized():
+        if mode.startswith("fp32-fsdp") and not torch.distributed.is_initialized():
             os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"})
             torch.distributed.init_process_group("nccl", rank=0, world_size=1)
         results["modes"].append(run_mode(actor, mode, args.repeats))

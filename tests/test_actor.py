@@ -348,6 +348,26 @@ def test_micro_batch_splits_give_the_same_gradient(vl):
     assert_grads_close(grads[4], grads[1])
 
 
+@pytest.mark.slow
+def test_compiled_layers_equal_eager(vl, monkeypatch):
+    """use_torch_compile (the Actor applies it on CUDA only; forced here on the CPU): every decoder layer and
+    vision block torch.compiled, under gradient checkpointing, gives the eager log-probs and gradients."""
+    samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, None, 6, 2), vl_sample(vl, (112, 56), 3, 3)]
+    weights = token_weights(samples)
+    eager = make_actor(vl.path, **{"model.enable_gradient_checkpointing": True})
+    expected = eager.compute_log_probs(samples)
+    packed_backward(eager, samples, weights)
+    build = modeling.build_model
+    monkeypatch.setattr(actor, "build_model", lambda *args: build(*args[:-1], compile_layers=True))
+    compiled = make_actor(vl.path, **{"model.enable_gradient_checkpointing": True})
+    assert sum(getattr(m, "_compiled_call_impl", None) is not None for m in compiled.hf.modules()) == \
+        len(compiled.hf.model.language_model.layers) + len(compiled.hf.model.visual.blocks)
+    for got, want in zip(compiled.compute_log_probs(samples), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGP_ATOL)
+    packed_backward(compiled, samples, weights)
+    assert_grads_close(full_grads(compiled), full_grads(eager))
+
+
 def test_text_only_micro_batch_still_runs_the_vision_tower(vl):
     """The deadlock guard: without images, every vision parameter still gets a (zero) gradient, so FSDP's
     reduce-scatters pair up across ranks. freeze_vision_tower takes the tower out of the optimizer."""
