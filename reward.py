@@ -4,18 +4,16 @@
     score = load_reward_function("my_reward.py:compute_score", max_response_length=2048)
     scores = score(inputs)                                        # list of dicts -> list of dicts
 
-A reward input (built by the trainer, one per response) is EasyR1's dict plus `prompt` and `extra`:
+A reward input (one per response) is EasyR1's dict plus `prompt` and `extra`:
     response:        str   the decoded response (special tokens skipped)
     response_length: int   its length in tokens
     ground_truth:    str   the row's answer
     prompt:          str   the prompt text
     extra:           dict  the row's other columns (e.g. a difficulty or a task type)
-A reward function returns one dict of floats per input, with at least "overall" (the scalar reward that
-advantage.py turns into advantages); any other keys are logged as metrics. A user's file is written as for
-EasyR1: a module-level REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of dicts) or
-"sequential" (fn(input, **kwargs) -> dict); the built-ins are sequential. Kwargs are checked at load and
-results on return (a dict with "overall", finite numbers, the same keys for every sample): a RewardError
-names the function and the sample.
+A reward function returns one dict of finite floats per input, the same keys for every input, with at least
+"overall" (the scalar reward that advantage.py turns into advantages); the other keys are logged as metrics.
+A user's file, as for EasyR1, sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of
+dicts) or "sequential" (fn(input, **kwargs) -> dict, as the built-ins).
 """
 
 import importlib.util
@@ -36,12 +34,9 @@ class RewardError(RuntimeError):
 
 
 def load_reward_function(spec, call_timeout=None, **kwargs):
-    """A checked, callable reward function from a built-in name or "path/file.py:function".
-
-    spec: "math" | "r1v" | "dapo" | "toy", or "path/file.py:function" (function defaults to main; the
-    path is relative to the working directory). kwargs are passed to every call of the function.
-    call_timeout: seconds one call may take (worker.reward.call_timeout), None for no limit.
-    """
+    """A RewardFunction from a built-in name or "path/file.py:function" (function defaults to main; the path is
+    relative to the working directory). kwargs go to every call; call_timeout: seconds a call may take
+    (worker.reward.call_timeout), None for no limit."""
     if spec in BUILTIN:
         return RewardFunction(BUILTIN[spec], spec, "sequential", kwargs, call_timeout)
     path, _, fn_name = spec.rpartition(":") if ":" in spec else (spec, "", "main")
@@ -70,40 +65,34 @@ def load_reward_function(spec, call_timeout=None, **kwargs):
 class RewardFunction:
     """A reward function with its kwargs bound; calling it scores a list of inputs and checks the results.
 
-    call_timeout (seconds, or None for no limit) bounds every call: one per sample (sequential) or per batch.
-    With a limit the function runs in a reward process forked here (before Ray or any thread starts; the
-    function is not pickled) that serves calls over a pipe, killed at a timeout. Not a thread: Python cannot
-    stop one, and one stuck in C code holding the GIL (a backtracking regex) would block the timer too.
+    call_timeout bounds every call: one per sample (sequential) or per batch. With a limit the function runs in a
+    reward process forked here (before Ray or any thread starts; the function is not pickled) that serves calls
+    over a pipe, killed at a timeout. Not a thread: Python cannot stop one, and one stuck in C code holding the
+    GIL (a backtracking regex) would block the timer too.
     """
 
     _worker = None  # (process, pipe) while a reward process runs
 
     def __init__(self, fn, name, reward_type, kwargs, call_timeout=None):
         self.fn, self.name, self.reward_type, self.kwargs = fn, name, reward_type, dict(kwargs)
+        self.call_timeout = call_timeout
         try:  # the first argument is the input (or the list of inputs)
             inspect.signature(fn).bind(None, **self.kwargs)
         except TypeError as e:
             raise RewardError(f"reward function {name!r} cannot take the keyword arguments {sorted(self.kwargs)} "
                               f"(worker.reward.reward_function_kwargs): {e}") from None
-        if call_timeout is not None and not call_timeout > 0:
-            raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0, "
-                              f"or null for no limit")
-        self.call_timeout = call_timeout
         if call_timeout is not None:
+            if not call_timeout > 0:
+                raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0, "
+                                  f"or null for no limit")
             self._start()
 
     def __call__(self, inputs):
         """inputs: list of reward-input dicts -> list of {key: float} with "overall", same order."""
         if self.reward_type == "sequential":
-            results = [self._call_alone(inputs, i) for i in range(len(inputs))]
+            results = [self._call(inputs, i) for i in range(len(inputs))]
         else:
-            try:
-                results = self._call(list(inputs))
-            except _Failed as e:
-                for i in range(len(inputs)):  # name the first sample that also fails alone, if one does
-                    self._call_alone(inputs, i)
-                raise RewardError(f"reward function {self.name!r} {e} on a batch of {len(inputs)} "
-                                  f"(no single sample fails alone)") from e.__cause__
+            results = self._call(inputs)
             if not isinstance(results, (list, tuple)) or len(results) != len(inputs):
                 got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
                 raise RewardError(f"reward function {self.name!r} (REWARD_TYPE batch) returned {got} for "
@@ -131,21 +120,16 @@ class RewardFunction:
                 raise self._error(inputs, i, f"returned {key!r} = {scores[key]}")
         return scores
 
-    def _call_alone(self, inputs, i):
-        """The function on inputs[i] alone (in a list of one for a batch function), or a RewardError naming it."""
-        try:
-            return self._call(inputs[i] if self.reward_type == "sequential" else [inputs[i]])
-        except _Failed as e:
-            raise self._error(inputs, i, str(e)) from e.__cause__
-
-    def _call(self, arg):
-        """fn(arg, **kwargs), in this process or, with a call_timeout, in the reward process under the
-        limit. A _Failed says what went wrong (raised, timed out, the process died)."""
+    def _call(self, inputs, i=None):
+        """fn on inputs[i] (in a list of one for a batch function), or on all inputs when i is None; in this
+        process or, with a call_timeout, in the reward process under the limit. A RewardError if it raises,
+        times out or ends the process."""
+        arg = list(inputs) if i is None else [inputs[i]] if self.reward_type == "batch" else inputs[i]
         if self.call_timeout is None:
             try:
                 return self.fn(arg, **self.kwargs)
             except Exception as e:
-                raise _Failed(f"raised {type(e).__name__}: {e}") from e
+                raise self._error(inputs, i, f"raised {type(e).__name__}: {e}") from e
         if self._worker is None or not self._worker[0].is_alive():
             self.close()
             self._start()
@@ -153,27 +137,36 @@ class RewardFunction:
         try:
             pipe.send(arg)
         except Exception as e:  # an input that cannot be pickled
-            raise _Failed(f"could not be called: its input cannot be sent to the reward process "
-                          f"({type(e).__name__}: {e})") from e
+            raise self._error(inputs, i, f"could not be called: its input cannot be sent to the reward process "
+                                         f"({type(e).__name__}: {e})") from e
         if not pipe.poll(self.call_timeout):
             self.close()
-            raise _Failed(f"did not return within worker.reward.call_timeout={self.call_timeout:g} s (the call was "
-                          f"stopped; raise the limit if the function is only slow)")
+            raise self._error(inputs, i, f"did not return within worker.reward.call_timeout={self.call_timeout:g} "
+                                         f"s (the call was stopped; raise the limit if the function is only slow)")
         try:
             reply = pipe.recv()
         except EOFError:
             self.close()
-            raise _Failed(f"ended its process (exit code {process.exitcode})") from None
+            raise self._error(inputs, i, f"ended its process (exit code {process.exitcode})") from None
         if reply[0] == "ok":
             return reply[1]
-        raise _Failed(f"raised {reply[1]}") from RuntimeError(f"in the reward process:\n{reply[2]}")
+        raise self._error(inputs, i, f"raised {reply[1]}") from RuntimeError(f"in the reward process:\n{reply[2]}")
+
+    def _error(self, inputs, i, what):
+        """The RewardError for sample i, or for the batch (i None) once no sample fails alone."""
+        if i is None:
+            for j in range(len(inputs)):  # name the first sample that also fails alone, if one does
+                self._call(inputs, j)
+            return RewardError(f"reward function {self.name!r} {what} on a batch of {len(inputs)} "
+                               f"(no single sample fails alone)")
+        sample = inputs[i]
+        return RewardError(f"reward function {self.name!r} {what} on sample {i} "
+                           f"(ground_truth={sample.get('ground_truth')!r}, response starts "
+                           f"{str(sample.get('response'))[:200]!r}). Fix the function so it returns a dict of "
+                           f"finite floats with 'overall' for every sample.")
 
     def _start(self):
-        try:
-            context = multiprocessing.get_context("fork")
-        except ValueError:
-            raise RewardError("worker.reward.call_timeout needs the fork start method (Linux, macOS); set it to "
-                              "null to call the reward function in this process, without a limit") from None
+        context = multiprocessing.get_context("fork")
         pipe, child_end = context.Pipe()
         process = context.Process(target=_serve, args=(self.fn, self.kwargs, child_end), daemon=True,
                                   name=f"reward {self.name}")
@@ -184,24 +177,12 @@ class RewardFunction:
     def close(self):
         """Stop the reward process, if any (a later call starts a new one)."""
         if self._worker is not None:
-            process, pipe = self._worker
-            self._worker = None
+            (process, pipe), self._worker = self._worker, None
             pipe.close()
             process.kill()
             process.join()
 
     __del__ = close  # a garbage-collected RewardFunction stops its reward process
-
-    def _error(self, inputs, i, what):
-        sample = inputs[i]
-        return RewardError(f"reward function {self.name!r} {what} on sample {i} "
-                           f"(ground_truth={sample.get('ground_truth')!r}, response starts "
-                           f"{str(sample.get('response'))[:200]!r}). Fix the function so it returns a dict of "
-                           f"finite floats with 'overall' for every sample.")
-
-
-class _Failed(Exception):
-    """A call of the reward function went wrong; str(e) says how, for the RewardError."""
 
 
 def _serve(fn, kwargs, pipe):
@@ -315,7 +296,6 @@ def toy_reward(sample, format_weight=0.1):
 
 
 def _weighted(accuracy, form, format_weight):
-    """The scores of math, r1v and toy: overall = (1 - format_weight) * accuracy + format_weight * format."""
     return {"overall": (1 - format_weight) * accuracy + format_weight * form, "format": form, "accuracy": accuracy}
 
 
@@ -326,9 +306,8 @@ BUILTIN = {"math": math_reward, "r1v": r1v_reward, "dapo": dapo_reward, "toy": t
 # Helpers: tags, boxed answers, the grader, Minerva normalisation.
 
 def tidy(text):
-    """text without the white space around every <, > and / (for Qwen2.5-VL-32B's "< /think >"): EasyR1's
-    re.sub(r"\\s*(<|>|/)\\s*", r"\\1", text), in linear time: (?<!\\s) starts a match only where a run of
-    white space starts, so no run is rescanned from each of its positions (EasyR1's regex is quadratic)."""
+    """text without the white space around every <, > and / (for Qwen2.5-VL-32B's "< /think >"), as EasyR1's
+    re.sub(r"\\s*(<|>|/)\\s*", r"\\1", text) but in linear time: (?<!\\s) starts a match only where a run starts."""
     return re.sub(r"(?<=[<>/])\s+|(?<!\s)\s+(?=[<>/])", "", text)
 
 
@@ -346,10 +325,9 @@ def last_boxed(text):
 
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
-    """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify
-    (\\frac{1}{2}, 0.5, 1/2 and \\dfrac12 agree; units and degree signs are ignored). timeout: seconds (rounded
-    up) for each math-verify step; a timeout or grader exception counts as not equivalent. The timeout is
-    SIGALRM, main thread only: elsewhere this raises unless timeout <= 0 (no timeout: it could hang)."""
+    """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify (\\frac{1}{2},
+    0.5, 1/2 and \\dfrac12 agree; units and degree signs are ignored). timeout: seconds (rounded up) per math-verify
+    step, SIGALRM so main thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
     if not answer:
         return False
