@@ -5,12 +5,12 @@
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
     adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
-Inputs: `scores` [N] (the reward function's "overall") and `uids` [N] group ids (str or int), in any order: a
-group is every response with the same uid, never a run of positions. KL in the reward (algorithm.use_kl_loss =
-false, as EasyR1): `token_kl`, N tensors [L_i] of the per-token KL estimate, and its coefficient `kl_coef` (beta);
-REINFORCE++ subtracts beta * KL token by token, every other estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
-Outputs: float32 [N], one advantage per response (the actor broadcasts it over the tokens); for TOKEN_LEVEL
-estimators, N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every group
+scores [N]: the reward function's "overall"; uids [N]: group ids (str or int) in any order, a group being every
+response with the same uid. KL in the reward (algorithm.use_kl_loss = false): token_kl, N tensors [L_i] of the
+per-token KL estimate, times kl_coef (beta); REINFORCE++ subtracts beta * kl_{i,t} token by token, every other
+estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
+Outputs: float32 [N], one advantage per response (broadcast over its tokens by the actor); for TOKEN_LEVEL
+estimators N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every group
 estimator; a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
 """
 
@@ -19,7 +19,7 @@ import types
 import numpy as np
 import torch
 
-FLAT = 1e-6  # a group whose rewards satisfy max - min <= FLAT has no spread: its advantages are exactly 0
+FLAT = 1e-6  # max - min <= FLAT: a group without spread
 
 
 def grpo(scores, uids, norm_by_std=True, eps=1e-6, allow_singletons=False):
@@ -64,9 +64,8 @@ def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
         G_{i,t} = sum_{s >= t} r_{i,s}                              returns (gamma = 1)
         A_{i,t} = (G_{i,t} - mean(G)) / sqrt(var(G) + eps)          mean, unbiased var over all sum_i L_i tokens
 
-    scores [N]: raw rewards (no KL folded in); lengths [N]: response lengths in tokens; token_kl: N
-    tensors [L_i] or None (no KL in the reward). Token t's return carries the KL of tokens t.. only,
-    and a long response weighs in the statistics by its number of tokens. Returns N float32 tensors [L_i].
+    scores [N]: raw rewards (no KL folded in); lengths [N]: response lengths in tokens; token_kl: N tensors [L_i]
+    or None (no KL in the reward). A long response weighs in the statistics by its number of tokens.
     """
     rewards = token_rewards(scores, lengths, token_kl, kl_coef)            # N x [L_i] f64
     returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in rewards])   # [T]
@@ -151,12 +150,10 @@ def token_rewards(scores, lengths, token_kl=None, beta=0.0):
     for i, n in enumerate(lengths):
         if n < 1:
             raise ValueError(f"response {i} has length {n}; every response needs at least one token")
-        r = torch.zeros(int(n), dtype=torch.float64)                                    # [L_i]
-        if token_kl is not None:
-            kl = torch.as_tensor(token_kl[i]).detach().to("cpu", torch.float64).reshape(-1)
-            if len(kl) != n:
-                raise ValueError(f"response {i}: token_kl has {len(kl)} values for {n} response tokens")
-            r -= beta * kl
+        kl = torch.zeros(int(n)) if token_kl is None else torch.as_tensor(token_kl[i]).detach().reshape(-1)
+        if len(kl) != n:
+            raise ValueError(f"response {i}: token_kl has {len(kl)} values for {n} response tokens")
+        r = -beta * kl.to("cpu", torch.float64)                                         # [L_i]
         r[-1] += x[i]
         rewards.append(r)
     return rewards
@@ -203,12 +200,10 @@ def advantage_metrics(scores, advantages, uids):
     s = group_stats(scores, uids, allow_singletons=True)
     per_token = isinstance(advantages, list) and advantages and torch.is_tensor(advantages[0]) and advantages[0].dim()
     adv = torch.cat(advantages).double() if per_token else as_scores(advantages, uids, "advantage")  # [T] or [N]
-    return {
-        "critic/score/mean": s.x.mean().item(), "critic/score/max": s.x.max().item(),
-        "critic/score/min": s.x.min().item(), "critic/advantages/mean": adv.mean().item(),
-        "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item(),
-        "adv/zero_std_group_frac": s.flat.double().mean().item(),
-    }
+    return {"critic/score/mean": s.x.mean().item(), "critic/score/max": s.x.max().item(),
+            "critic/score/min": s.x.min().item(), "critic/advantages/mean": adv.mean().item(),
+            "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item(),
+            "adv/zero_std_group_frac": s.flat.double().mean().item()}
 
 
 # -- Helpers: groups by uid value, whitening ----------------------------------------------------------
@@ -228,8 +223,8 @@ def as_scores(scores, uids, what="score"):
 
 def group_stats(scores, uids, allow_singletons=False, what="score"):
     """The groups of `scores` by uid: x [N] f64 (checked scores), g [N] group numbers, names [G] (sorted uids),
-    and per group [G] n (size), mean, std (unbiased, two-pass), max, flat (max - min <= FLAT). numpy's unique
-    sorts the uids in C: no Python loop over samples. A group of one raises unless allow_singletons (then flat)."""
+    and per group [G] n (size), mean, std (unbiased, two-pass), max, flat (max - min <= FLAT). A group of one
+    raises unless allow_singletons (then flat)."""
     x = as_scores(scores, uids, what)
     names, g = np.unique(np.asarray(uids), return_inverse=True)
     g, names = torch.from_numpy(g.reshape(-1)).long(), names.tolist()
