@@ -4,19 +4,18 @@
     python merge.py --local_dir ... --output DIR --dtype bf16 --max_shard_size 2GB --force
     python merge.py --local_dir ... --merge_lora      # LoRA run: the merged full model, not the adapter
 
-Reads what actor.Actor.save_checkpoint writes, never modified: <local_dir>/model/, the torch.distributed.checkpoint
-(DCP) of the model state dict from any number of ranks (its .metadata names every tensor, shape, dtype and piece;
-for LoRA the peft model's names), and <local_dir>/huggingface/ (config, generation config, tokenizer, processor,
-chat template; adapter_config.json for LoRA). Writes <local_dir>/merged (<local_dir>/adapter for a LoRA run
-without --merge_lora) through <output>.partial, renamed at the end:
+Reads, never modifies, what actor.Actor.save_checkpoint writes: <local_dir>/model/, the torch.distributed.checkpoint
+(DCP) of the model state dict (the peft model's names for LoRA) from any number of ranks, and <local_dir>/huggingface/
+(config, tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <local_dir>/merged
+(<local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end:
   full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, split and
                named as save_pretrained does (Qwen2.5-VL model.language_model.layers.* -> model.layers.*), a tied
                lm_head left out, the files of huggingface/ copied (config.json's "dtype" set only with --dtype).
   LoRA adapter adapter_model.safetensors with peft's saved names, adapter_config.json (inference_mode true) and
                the tokenizer/processor files (no config.json).
   --merge_lora the full model with W <- W + scale * B @ A for every adapted linear (see merged_tensor).
-Peak memory: one output shard at a time is read from the DCP, cast, written and freed (about max_shard_size *
-stored / written bytes, or the largest tensor); the model itself is only built on the meta device.
+Peak memory: one output shard at a time (about max_shard_size * stored / written bytes, or the largest tensor);
+the model itself is only built on the meta device.
 """
 
 import argparse
@@ -97,10 +96,8 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
         raise MergeError(f"{model_dir} does not match the model of {hf_dir}/config.json: missing tensors "
                          f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}). "
                          f"Is huggingface/ from the same run as model/?")
-    written = {}  # in-memory name -> a meta tensor of the size and dtype it is written in, in the model's order
-    for name in saved_name:
-        stored = tensors[plan[name][0]]
-        written[name] = torch.empty(stored.size, dtype=dtype or stored.properties.dtype, device="meta")
+    stored = {name: tensors[plan[name][0]] for name in saved_name}  # in the model's order
+    written = {n: torch.empty(s.size, dtype=dtype or s.properties.dtype, device="meta") for n, s in stored.items()}
     split = split_torch_state_dict_into_shards(written, max_shard_size=max_bytes)  # as save_pretrained splits
     for file, shard in split.filename_to_tensors.items():
         keys = [key for name in shard for key in (plan[name][0], *(plan[name][1] or ())[:2])]  # W (+ A, B)
