@@ -44,9 +44,7 @@ class MergeError(ValueError):
 
 def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force=False, max_shard_size="2GB"):
     """Merge the actor checkpoint in `local_dir` into a Hugging Face folder; returns the output path.
-
-    dtype: None keeps each tensor's stored dtype; "bf16" | "fp16" | "fp32" casts every floating tensor.
-    """
+    dtype: None keeps each tensor's stored dtype; "bf16" | "fp16" | "fp32" casts every floating tensor."""
     local_dir = os.path.abspath(local_dir)
     model_dir, hf_dir = check_checkpoint(local_dir)
     if dtype is not None and str(dtype).lower().removeprefix("torch.") not in DTYPES:

@@ -204,8 +204,7 @@ def _serve(fn, kwargs, pipe):
                                  f"process: {e}", traceback.format_exc()))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Built-in scorers: one sample in, one dict out.
+# -- Built-in scorers: one sample in, one dict out ----------------------------------------------------
 
 def math_reward(sample, format_weight=0.1, timeout=10.0):
     """Math with a boxed answer (EasyR1's math.py; Geometry3K).
@@ -302,8 +301,7 @@ def _weighted(accuracy, form, format_weight):
 BUILTIN = {"math": math_reward, "r1v": r1v_reward, "dapo": dapo_reward, "toy": toy_reward}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Helpers: tags, boxed answers, the grader, Minerva normalisation.
+# -- Helpers: tags, boxed answers, the grader, Minerva normalisation ----------------------------------
 
 def tidy(text):
     """text without the white space around every <, > and / (for Qwen2.5-VL-32B's "< /think >"), as EasyR1's
