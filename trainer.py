@@ -186,24 +186,22 @@ class Run:
 
     def advantages(self, samples, scores, token_kl, beta, greedy, metrics):
         """algorithm.adv_estimator's advantages: a float per response, an [L_i] tensor for TOKEN_LEVEL estimators;
-        greedy: ReMax's baselines by uid. Logs critic/score/* and adv/zero_std_group_frac (raw scores), critic/rewards/*
-        (after the KL) and EasyR1's critic/returns/* (rewards-to-go for remax and REINFORCE++, else the advantages)."""
+        greedy: ReMax's baselines by uid. Logs advantage.advantage_metrics (raw scores; over tokens when TOKEN_LEVEL,
+        as EasyR1), critic/rewards/* (after the KL) and critic/returns/* (rewards-to-go for remax and REINFORCE++)."""
         a, uids, lengths = self.cfg.algorithm, [s["uid"] for s in samples], [len(s["response_ids"]) for s in samples]
         raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)                    # [N]
         rewards = raw if token_kl is None else advantage.kl_in_reward(raw, [float(k.sum()) for k in token_kl], beta)
         baselines = None if greedy is None else torch.tensor([greedy[u] for u in uids], dtype=torch.float64)
         adv = advantage.compute_advantages(a.adv_estimator, raw, uids, baselines=baselines, lengths=lengths,
                                            token_kl=token_kl, kl_coef=beta, norm_by_std=a.norm_adv_by_std_in_grpo)
-        if a.adv_estimator in advantage.TOKEN_LEVEL:  # adv: N tensors [L_i]; statistics over tokens, as EasyR1
-            token_rewards = advantage.token_rewards(raw, lengths, token_kl, beta)                     # N x [L_i]
+        token_level = a.adv_estimator in advantage.TOKEN_LEVEL  # adv: N tensors [L_i], else [N]
+        returns = rewards if a.adv_estimator == "remax" else adv
+        if token_level:  # G_{i,t} = sum_{s >= t} r_{i,s}, over every token
+            token_rewards = advantage.token_rewards(raw, lengths, token_kl, beta)                 # N x [L_i]
             returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in token_rewards])
-            metrics.update(advantage.advantage_metrics(raw, torch.stack([x.mean() for x in adv]), uids))
-            metrics.update(_stats("critic/advantages", torch.cat(adv).tolist()))
-        else:  # adv: [N]
-            returns = rewards if a.adv_estimator == "remax" else adv
-            metrics.update(advantage.advantage_metrics(raw, adv, uids))
-        metrics.update({**_stats("critic/rewards", rewards.tolist()), **_stats("critic/returns", returns.tolist())})
-        return adv if a.adv_estimator in advantage.TOKEN_LEVEL else adv.tolist()
+        metrics.update({**advantage.advantage_metrics(raw, adv, uids), **_stats("critic/rewards", rewards.tolist()),
+                        **_stats("critic/returns", returns.tolist())})
+        return adv if token_level else adv.tolist()
 
     def sampling(self, key, override=None):
         """rollout's sampling settings (override: val_override_config), max_tokens, and this generation's seed
@@ -502,15 +500,13 @@ def _find_checkpoint(root, load_path, find_last):
     if not find_last or not os.path.exists(tracker):
         return None
     steps, problems = _saved_steps(root)[::-1], []
-    try:
-        with open(tracker) as f:
-            last = int(json.load(f)["last_global_step"])
+    last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
+    if problem:
+        print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)
+    else:
         if last not in steps:
             problems.append(f"global_step_{last} (named by the tracker) does not exist")
         steps = [s for s in steps if s <= last]  # later folders were being written when the run stopped
-    except (ValueError, KeyError, TypeError) as e:
-        print(f"{tracker} cannot be read ({type(e).__name__}: {e}); looking for the newest complete checkpoint "
-              f"in {root}", flush=True)
     for step in steps:
         path = os.path.join(root, f"global_step_{step}")
         problem = _checkpoint_problem(path)
@@ -530,38 +526,34 @@ def _checkpoint_problem(path):
     dataloader.pt and actor/extra_state.pt load; actor/model and actor/optim hold every shard their .metadata names."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    try:
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            state = json.load(f)
-    except FileNotFoundError:
-        return "trainer_state.json is missing"
-    except ValueError as e:
-        return f"trainer_state.json cannot be read ({type(e).__name__}: {e})"
-    if not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
-        return "trainer_state.json lacks global_step or kl_coef"
+    state, problem = _load(path, "trainer_state.json", lambda p: json.load(open(p)))
+    if problem or not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
+        return problem or "trainer_state.json lacks global_step or kl_coef"
     if not state.get("resumable", True):
         return ("it was saved with trainer.save_model_only=true and holds no optimizer state, so it cannot be "
                 "resumed (merge it with merge.py instead)")
-    for name in ("dataloader.pt", os.path.join("actor", "extra_state.pt")):
-        try:
-            torch.load(os.path.join(path, name), weights_only=True)
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except Exception as e:  # truncated, or not plain tensors and containers
-            return f"{name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    for name in ("model", "optim"):
-        folder = os.path.join(path, "actor", name)
-        try:
-            metadata = FileSystemReader(folder).read_metadata()
-        except FileNotFoundError:
-            return f"actor/{name} is missing or incomplete (no .metadata)"
-        except Exception as e:
-            return f"actor/{name}/.metadata cannot be read ({type(e).__name__})"
+    for name in ("dataloader.pt", "actor/extra_state.pt"):
+        if problem := _load(path, name, lambda p: torch.load(p, weights_only=True))[1]:
+            return problem
+    for name in ("actor/model", "actor/optim"):
+        metadata, problem = _load(path, name, lambda p: FileSystemReader(p).read_metadata())
+        if problem:
+            return problem
         for info in metadata.storage_data.values():
-            shard = os.path.join(folder, info.relative_path)
+            shard = os.path.join(path, name, info.relative_path)
             if not os.path.exists(shard) or os.path.getsize(shard) < info.offset + info.length:
-                return f"actor/{name}/{info.relative_path} is missing or truncated"
+                return f"{name}/{info.relative_path} is missing or truncated"
     return None
+
+
+def _load(folder, name, load):
+    """(load(folder/name), None), or (None, in words why it cannot be loaded): missing, truncated, not JSON..."""
+    try:
+        return load(os.path.join(folder, name)), None
+    except FileNotFoundError:
+        return None, f"{name} is missing"
+    except Exception as e:  # truncated, or not plain tensors and containers
+        return None, f"{name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
 
 def _saved_steps(root):
