@@ -73,6 +73,7 @@ class Run:
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
+        self.train_iter = iter(self.train_loader)
 
     def fit(self):
         """Train: validation every val_freq steps and at the end, checkpoints every save_freq; -> the last metrics."""
@@ -261,9 +262,7 @@ class Run:
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
         if path is None:
-            self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # rows of an earlier attempt: those steps run again
-            self.train_iter = iter(self.train_loader)
-            return
+            return self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # an earlier attempt's rows: those steps run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         try:
             self.workers.load(os.path.join(path, "actor"))
@@ -273,7 +272,6 @@ class Run:
                     if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
-        self.train_iter = iter(self.train_loader)
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
@@ -353,7 +351,6 @@ class Logger:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         self.names, self.root = names, root
-        # appended on resume, after the rows written since the checkpoint are dropped (rewind)
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
         self.jsonl_path = self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
@@ -557,7 +554,6 @@ def _load(folder, name, load):
 
 
 def _saved_steps(root):
-    """The N of every global_step_N folder in `root`, ascending."""
     return sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n)))
 
 
@@ -589,25 +585,24 @@ def _ensure_toy_world(cfg):
 
 def check_choices(cfg):
     """The values each stage accepts, checked against the stage's own table before any worker starts."""
-    a, ref = cfg.worker.actor, cfg.worker.ref.fsdp
+    a, fsdps = cfg.worker.actor, {"worker.actor.fsdp": cfg.worker.actor.fsdp, "worker.ref.fsdp": cfg.worker.ref.fsdp}
     choices = {"algorithm.adv_estimator": (cfg.algorithm.adv_estimator, advantage.ESTIMATORS),
                "worker.actor.loss_type": (a.loss_type, actor.POLICY_LOSS_TYPES),
                "worker.actor.loss_avg_mode": (a.loss_avg_mode, actor.AGGREGATION_MODES),
-               "worker.rollout.name": (cfg.worker.rollout.name, rollout.ENGINES)}
-    for section, fsdp in (("worker.actor.fsdp", a.fsdp), ("worker.ref.fsdp", ref)):
-        for key in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype"):
-            if getattr(fsdp, key) is not None:
-                choices[f"{section}.{key}"] = (getattr(fsdp, key), actor.DTYPES)
+               "worker.rollout.name": (cfg.worker.rollout.name, rollout.ENGINES),
+               **{f"{section}.{key}": (getattr(fsdp, key), actor.DTYPES) for section, fsdp in fsdps.items()
+                  for key in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype")
+                  if getattr(fsdp, key) is not None}}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    unknown = sorted(set(cfg.trainer.logger) - set(LOGGERS))
-    if unknown:
+    if unknown := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
-    for section, fsdp in (("worker.actor.fsdp", a.fsdp), ("worker.ref.fsdp", ref)):
+    for section, fsdp in fsdps.items():
         if actor.DTYPES[fsdp.mp_buffer_dtype] != torch.float32:
             raise ConfigError(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype}: buffers (rotary frequencies) stay in "
                               f"fp32, as EasyR1's default; FSDP2 has no buffer dtype, so only fp32 is supported")
+    ref = cfg.worker.ref.fsdp
     if ref.torch_dtype is not None and actor.DTYPES[ref.torch_dtype] != actor.DTYPES[ref.mp_param_dtype]:
         raise ConfigError(f"worker.ref.fsdp.torch_dtype={ref.torch_dtype}: the reference stores its weights in its "
                           f"compute dtype (worker.ref.fsdp.mp_param_dtype={ref.mp_param_dtype}), which gives the same "
