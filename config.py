@@ -3,12 +3,11 @@
     cfg = load_config("configs/geo3k.yaml", ["worker.rollout.n=8", "trainer.logger=[console,wandb]"])
     cfg.worker.actor.optim.lr                      # 1e-06: plain dataclasses, one per section
 
-One dataclass per EasyR1 section with the defaults of EasyR1's `examples/config.yaml` (configs/geo3k.yaml
-documents every key). load_config merges defaults <- YAML file <- `a.b.c=value` overrides with OmegaConf, as
-EasyR1: each value must fit its key's type (`n=2.5` fails, `lr=1e-5` is a float; a Literal lists the values
-allowed), `a,b` sets a list key, a dict key given whole is replaced, not merged. An unknown key names the closest
-valid one; check_config then checks values against each other. trainer.check_choices checks the values each stage
-lists in its own table (estimators, loss types, dtypes, engines, loggers).
+Defaults are EasyR1's `examples/config.yaml` (configs/geo3k.yaml documents every key). load_config merges defaults
+<- YAML file <- `a.b.c=value` overrides with OmegaConf, as EasyR1: each value must fit its key's type (`n=2.5`
+fails, `lr=1e-5` is a float; a Literal lists the values allowed), `a,b` sets a list key, a dict key given whole is
+replaced, not merged; an unknown key names the closest valid one. check_config checks values against each other,
+trainer.check_choices those each stage lists in its own table (estimators, loss types, dtypes, engines, loggers).
 """
 
 import dataclasses
@@ -316,11 +315,10 @@ def _merge(cfg, layer, source, replace_dicts):
         if e.full_key not in KEYS:  # e.g. a value given for a whole section
             raise ConfigError(f"{source}: {str(e).splitlines()[0]}") from None
         value, hint = OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False), KEYS[e.full_key]
+        args = typing.get_args(hint)  # a Literal's values, or an Optional's types
         if typing.get_origin(hint) is Literal:
-            allowed = list(typing.get_args(hint))
-            raise ConfigError(f"{e.full_key}={value!r} is not one of {allowed} ({source})") from None
-        expected = " or ".join("null" if t is type(None) else t.__name__
-                               for t in typing.get_args(hint) or [hint])
+            raise ConfigError(f"{e.full_key}={value!r} is not one of {list(args)} ({source})") from None
+        expected = " or ".join("null" if t is type(None) else t.__name__ for t in args or [hint])
         raise ConfigError(f"{e.full_key}={value!r} ({source}): expected {expected}") from None
 
 

@@ -73,6 +73,7 @@ class Run:
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
+        self.train_iter = iter(self.train_loader)
 
     def fit(self):
         """Train: validation every val_freq steps and at the end, checkpoints every save_freq; -> the last metrics."""
@@ -186,24 +187,22 @@ class Run:
 
     def advantages(self, samples, scores, token_kl, beta, greedy, metrics):
         """algorithm.adv_estimator's advantages: a float per response, an [L_i] tensor for TOKEN_LEVEL estimators;
-        greedy: ReMax's baselines by uid. Logs critic/score/* and adv/zero_std_group_frac (raw scores), critic/rewards/*
-        (after the KL) and EasyR1's critic/returns/* (rewards-to-go for remax and REINFORCE++, else the advantages)."""
+        greedy: ReMax's baselines by uid. Logs advantage.advantage_metrics (raw scores; over tokens when TOKEN_LEVEL,
+        as EasyR1), critic/rewards/* (after the KL) and critic/returns/* (rewards-to-go for remax and REINFORCE++)."""
         a, uids, lengths = self.cfg.algorithm, [s["uid"] for s in samples], [len(s["response_ids"]) for s in samples]
         raw = torch.tensor([s["overall"] for s in scores], dtype=torch.float64)                    # [N]
         rewards = raw if token_kl is None else advantage.kl_in_reward(raw, [float(k.sum()) for k in token_kl], beta)
         baselines = None if greedy is None else torch.tensor([greedy[u] for u in uids], dtype=torch.float64)
         adv = advantage.compute_advantages(a.adv_estimator, raw, uids, baselines=baselines, lengths=lengths,
                                            token_kl=token_kl, kl_coef=beta, norm_by_std=a.norm_adv_by_std_in_grpo)
-        if a.adv_estimator in advantage.TOKEN_LEVEL:  # adv: N tensors [L_i]; statistics over tokens, as EasyR1
-            token_rewards = advantage.token_rewards(raw, lengths, token_kl, beta)                     # N x [L_i]
+        token_level = a.adv_estimator in advantage.TOKEN_LEVEL  # adv: N tensors [L_i], else [N]
+        returns = rewards if a.adv_estimator == "remax" else adv
+        if token_level:  # G_{i,t} = sum_{s >= t} r_{i,s}, over every token
+            token_rewards = advantage.token_rewards(raw, lengths, token_kl, beta)                 # N x [L_i]
             returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in token_rewards])
-            metrics.update(advantage.advantage_metrics(raw, torch.stack([x.mean() for x in adv]), uids))
-            metrics.update(_stats("critic/advantages", torch.cat(adv).tolist()))
-        else:  # adv: [N]
-            returns = rewards if a.adv_estimator == "remax" else adv
-            metrics.update(advantage.advantage_metrics(raw, adv, uids))
-        metrics.update({**_stats("critic/rewards", rewards.tolist()), **_stats("critic/returns", returns.tolist())})
-        return adv if a.adv_estimator in advantage.TOKEN_LEVEL else adv.tolist()
+        metrics.update({**advantage.advantage_metrics(raw, adv, uids), **_stats("critic/rewards", rewards.tolist()),
+                        **_stats("critic/returns", returns.tolist())})
+        return adv if token_level else adv.tolist()
 
     def sampling(self, key, override=None):
         """rollout's sampling settings (override: val_override_config), max_tokens, and this generation's seed
@@ -263,9 +262,7 @@ class Run:
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
         if path is None:
-            self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # rows of an earlier attempt: those steps run again
-            self.train_iter = iter(self.train_loader)
-            return
+            return self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # an earlier attempt's rows: those steps run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         try:
             self.workers.load(os.path.join(path, "actor"))
@@ -275,7 +272,6 @@ class Run:
                     if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
-        self.train_iter = iter(self.train_loader)
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
@@ -355,7 +351,6 @@ class Logger:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         self.names, self.root = names, root
-        # appended on resume, after the rows written since the checkpoint are dropped (rewind)
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
         self.jsonl_path = self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
@@ -502,15 +497,13 @@ def _find_checkpoint(root, load_path, find_last):
     if not find_last or not os.path.exists(tracker):
         return None
     steps, problems = _saved_steps(root)[::-1], []
-    try:
-        with open(tracker) as f:
-            last = int(json.load(f)["last_global_step"])
+    last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
+    if problem:
+        print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)
+    else:
         if last not in steps:
             problems.append(f"global_step_{last} (named by the tracker) does not exist")
         steps = [s for s in steps if s <= last]  # later folders were being written when the run stopped
-    except (ValueError, KeyError, TypeError) as e:
-        print(f"{tracker} cannot be read ({type(e).__name__}: {e}); looking for the newest complete checkpoint "
-              f"in {root}", flush=True)
     for step in steps:
         path = os.path.join(root, f"global_step_{step}")
         problem = _checkpoint_problem(path)
@@ -530,42 +523,37 @@ def _checkpoint_problem(path):
     dataloader.pt and actor/extra_state.pt load; actor/model and actor/optim hold every shard their .metadata names."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    try:
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            state = json.load(f)
-    except FileNotFoundError:
-        return "trainer_state.json is missing"
-    except ValueError as e:
-        return f"trainer_state.json cannot be read ({type(e).__name__}: {e})"
-    if not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
-        return "trainer_state.json lacks global_step or kl_coef"
+    state, problem = _load(path, "trainer_state.json", lambda p: json.load(open(p)))
+    if problem or not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
+        return problem or "trainer_state.json lacks global_step or kl_coef"
     if not state.get("resumable", True):
         return ("it was saved with trainer.save_model_only=true and holds no optimizer state, so it cannot be "
                 "resumed (merge it with merge.py instead)")
-    for name in ("dataloader.pt", os.path.join("actor", "extra_state.pt")):
-        try:
-            torch.load(os.path.join(path, name), weights_only=True)
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except Exception as e:  # truncated, or not plain tensors and containers
-            return f"{name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    for name in ("model", "optim"):
-        folder = os.path.join(path, "actor", name)
-        try:
-            metadata = FileSystemReader(folder).read_metadata()
-        except FileNotFoundError:
-            return f"actor/{name} is missing or incomplete (no .metadata)"
-        except Exception as e:
-            return f"actor/{name}/.metadata cannot be read ({type(e).__name__})"
+    for name in ("dataloader.pt", "actor/extra_state.pt"):
+        if problem := _load(path, name, lambda p: torch.load(p, weights_only=True))[1]:
+            return problem
+    for name in ("actor/model", "actor/optim"):
+        metadata, problem = _load(path, name, lambda p: FileSystemReader(p).read_metadata())
+        if problem:
+            return problem
         for info in metadata.storage_data.values():
-            shard = os.path.join(folder, info.relative_path)
+            shard = os.path.join(path, name, info.relative_path)
             if not os.path.exists(shard) or os.path.getsize(shard) < info.offset + info.length:
-                return f"actor/{name}/{info.relative_path} is missing or truncated"
+                return f"{name}/{info.relative_path} is missing or truncated"
     return None
 
 
+def _load(folder, name, load):
+    """(load(folder/name), None), or (None, in words why it cannot be loaded): missing, truncated, not JSON..."""
+    try:
+        return load(os.path.join(folder, name)), None
+    except FileNotFoundError:
+        return None, f"{name} is missing"
+    except Exception as e:  # truncated, or not plain tensors and containers
+        return None, f"{name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
 def _saved_steps(root):
-    """The N of every global_step_N folder in `root`, ascending."""
     return sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n)))
 
 
@@ -597,25 +585,24 @@ def _ensure_toy_world(cfg):
 
 def check_choices(cfg):
     """The values each stage accepts, checked against the stage's own table before any worker starts."""
-    a, ref = cfg.worker.actor, cfg.worker.ref.fsdp
+    a, fsdps = cfg.worker.actor, {"worker.actor.fsdp": cfg.worker.actor.fsdp, "worker.ref.fsdp": cfg.worker.ref.fsdp}
     choices = {"algorithm.adv_estimator": (cfg.algorithm.adv_estimator, advantage.ESTIMATORS),
                "worker.actor.loss_type": (a.loss_type, actor.POLICY_LOSS_TYPES),
                "worker.actor.loss_avg_mode": (a.loss_avg_mode, actor.AGGREGATION_MODES),
-               "worker.rollout.name": (cfg.worker.rollout.name, rollout.ENGINES)}
-    for section, fsdp in (("worker.actor.fsdp", a.fsdp), ("worker.ref.fsdp", ref)):
-        for key in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype"):
-            if getattr(fsdp, key) is not None:
-                choices[f"{section}.{key}"] = (getattr(fsdp, key), actor.DTYPES)
+               "worker.rollout.name": (cfg.worker.rollout.name, rollout.ENGINES),
+               **{f"{section}.{key}": (getattr(fsdp, key), actor.DTYPES) for section, fsdp in fsdps.items()
+                  for key in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype")
+                  if getattr(fsdp, key) is not None}}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    unknown = sorted(set(cfg.trainer.logger) - set(LOGGERS))
-    if unknown:
+    if unknown := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
-    for section, fsdp in (("worker.actor.fsdp", a.fsdp), ("worker.ref.fsdp", ref)):
+    for section, fsdp in fsdps.items():
         if actor.DTYPES[fsdp.mp_buffer_dtype] != torch.float32:
             raise ConfigError(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype}: buffers (rotary frequencies) stay in "
                               f"fp32, as EasyR1's default; FSDP2 has no buffer dtype, so only fp32 is supported")
+    ref = cfg.worker.ref.fsdp
     if ref.torch_dtype is not None and actor.DTYPES[ref.torch_dtype] != actor.DTYPES[ref.mp_param_dtype]:
         raise ConfigError(f"worker.ref.fsdp.torch_dtype={ref.torch_dtype}: the reference stores its weights in its "
                           f"compute dtype (worker.ref.fsdp.mp_param_dtype={ref.mp_param_dtype}), which gives the same "
