@@ -118,8 +118,7 @@ class PromptLoader:
 
     def epoch(self):
         """The batches of one whole epoch (the current one), without moving the position: validation."""
-        for b in range(self.batches_per_epoch):
-            yield self._make_batch(self.current_epoch, b)
+        return (self._make_batch(self.current_epoch, b) for b in range(self.batches_per_epoch))
 
     def state_dict(self):
         return {"epoch": self.current_epoch, "batch": self.batch, "num_rows": len(self.indices),
@@ -130,8 +129,7 @@ class PromptLoader:
         for key in ("num_rows", "batch_size", "shuffle", "seed"):
             if state[key] != now[key]:
                 raise ValueError(f"{self.rows.name}: the loader state was saved with {key}={state[key]}, now it is "
-                                 f"{now[key]}; resuming would not continue the same order (same data and config "
-                                 "needed)")
+                                 f"{now[key]}; resuming continues the same order only with the same data and config")
         self.current_epoch, self.batch = state["epoch"], state["batch"]
 
     def _make_batch(self, epoch, b):
@@ -163,11 +161,10 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
                 lengths = pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
     finally:
         _MEASURING = None
+    if not cfg.filter_overlong_prompts:  # an overlong row is then a bad row
+        lengths = [n if isinstance(n, str) or n <= limit else _overlong(rows.where(i), n, limit)
+                   for i, n in enumerate(lengths)]
     overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
-    if not cfg.filter_overlong_prompts:
-        for i in overlong:
-            lengths[i] = _overlong(rows.where(i), lengths[i], limit)
-        overlong = []
     bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
     if bad and not skip_bad:
         raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
@@ -221,9 +218,8 @@ class PromptBuilder:
             if not hasattr(self.rope_model, "get_rope_index"):
                 raise ValueError(f"{type(self.rope_model).__name__} has no get_rope_index: data.py builds "
                                  "position ids for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text models only")
-        self.template = None
-        if cfg.format_prompt:
-            self.template = jinja2.Template(_read_text(cfg.format_prompt, "data.format_prompt").strip())
+        self.template = cfg.format_prompt and jinja2.Template(
+            _read_text(cfg.format_prompt, "data.format_prompt").strip())
 
     def build(self, row, index, where):
         """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
@@ -280,12 +276,11 @@ class PromptBuilder:
 
     def measure(self, row, where):
         """The length build() will give, checking the row on the way (every image decoded once: a truncated body
-        fails here). Tokens of the unexpanded text plus, per image, its token count minus the one placeholder,
-        from the size after process_image's resize through the image processor's own
-        get_number_of_image_patches (no resize, no processor call). A row with videos is encoded whole."""
+        fails here): the unexpanded text's tokens plus, per image, its tokens but the one placeholder, from the
+        image processor's get_number_of_image_patches at process_image's size (no resize, no processor call)."""
         cfg = self.cfg
         text, images, videos = self.prompt_text(row, where)
-        if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): the processor counts
+        if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): encoded whole
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         for image in self.decode(where, "image", images, _open_image, cfg.image_dir):
@@ -296,16 +291,15 @@ class PromptBuilder:
 
     def prompt_text(self, row, where):
         """(chat-templated text with one placeholder per image and video, the row's images, its videos; unopened),
-        checking the prompt, answer and placeholders. The prompt column goes through the format template
-        (`content` = the text), then `<image>` and `<video>` marks split it into parts in order; an optional
-        system message comes first."""
+        checking the prompt, answer and placeholders. The prompt goes through the format template (`content`), then
+        `<image>` and `<video>` marks split it into parts in order; an optional system message comes first."""
         cfg = self.cfg
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
         if row.get(cfg.answer_key) is None:
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}'")
-        if self.template is not None:
+        if self.template:
             content = self.template.render(content=content)
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
         for kind, key, items in (("image", cfg.image_key, images), ("video", cfg.video_key, videos)):
@@ -469,9 +463,8 @@ def load_rows(spec, cfg):
         if not files:
             raise DataError(f"'{spec}': no .parquet/.json/.jsonl file with '{split}' in its name under {local}")
         parts = [(f, _read_file(f)) for f in files]
-        for f, part in parts:
-            if part is None:
-                logger.warning(f"{f} has no rows; skipped")
+        for f in [f for f, part in parts if part is None]:
+            logger.warning(f"{f} has no rows; skipped")
         parts = [(f, part) for f, part in parts if part is not None]
         if not parts:
             raise DataError(f"'{spec}' has no rows: every file with '{split}' in its name under {local} is empty")

@@ -43,10 +43,10 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache,
                           GenerationConfig)
 
+from modeling import DTYPES
+
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
 
 
 def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path=None,
@@ -77,24 +77,21 @@ def derive_seed(*parts):
     return int.from_bytes(digest, "little") >> 2
 
 
-# -- The transformers engine: a KV-cache sampling loop over left-padded batches --------------------------------
-
 class HFRollout:
-    """Its own unsharded copy of the model (AutoModelForImageTextToText when the config has a vision_config,
-    else AutoModelForCausalLM), refreshed in place by load_weights(). Prompts are left-padded; positions come
-    from the prompt (data.py's mrope rows for Qwen-VL) and continue at last_prompt_position + 1, + 2, ... on
-    every row, exactly as the actor extends them, so batched and one-by-one generation agree."""
+    """A KV-cache sampling loop over left-padded batches, on its own unsharded copy of the model
+    (AutoModelForImageTextToText when the config has a vision_config, else AutoModelForCausalLM), refreshed in
+    place by load_weights(). Positions come from the prompt (data.py's mrope rows for Qwen-VL) and continue at
+    last_prompt_position + 1, + 2, ... on every row, exactly as the actor extends them, so batched and one-by-one
+    generation agree."""
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=64):
-        remote = getattr(cfg, "trust_remote_code", False)
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
+        remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
+        config, self.eos_ids, self.banned_ids, self.pad_id = _load_config(model_path, tokenizer_path, remote)
         is_vl = getattr(config, "vision_config", None) is not None
         model_class = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
         self.model = model_class.from_pretrained(model_path, dtype=DTYPES[cfg.dtype],
-                                                 trust_remote_code=remote).to(device).eval()
-        self.model.requires_grad_(False)
-        self.eos_ids, self.banned_ids, self.pad_id = _special_ids(config, tokenizer_path, remote)
+                                                 trust_remote_code=remote).to(device).eval().requires_grad_(False)
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
         self.ignore_eos = cfg.ignore_eos
         self.position_rows = 4 if is_vl else 1  # text row + 3 mrope rows for Qwen-VL
@@ -110,11 +107,9 @@ class HFRollout:
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="prompt_ids")
         self.wake_up()
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]  # grouped: prompt i, sample j
-        responses = []
-        for start in range(0, len(rows), self.batch_size):
-            responses += self._generate_batch(prompts, rows[start:start + self.batch_size],
-                                              temperature, top_p, top_k, max_tokens, seed)
-        return responses
+        batches = [rows[k:k + self.batch_size] for k in range(0, len(rows), self.batch_size)]
+        return [r for batch in batches for r in self._generate_batch(prompts, batch, temperature, top_p, top_k,
+                                                                     max_tokens, seed)]
 
     @torch.no_grad()
     def _generate_batch(self, prompts, rows, temperature, top_p, top_k, max_tokens, seed):
@@ -160,22 +155,22 @@ class HFRollout:
     def _prompt_positions(self, prompt, index):
         """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
         length, positions = len(prompt["prompt_ids"]), prompt.get("position_ids")
-        if positions is None and prompt.get("multi_modal_inputs"):
-            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}) has images but no position_ids: "
-                             f"the hf rollout needs data.py's mrope position_ids [4, P] for image prompts")
-        positions = torch.arange(length)[None] if positions is None else torch.as_tensor(positions)
-        if positions.shape not in ((1, length), (self.position_rows, length)):
-            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids has shape "
-                             f"{tuple(positions.shape)}, expected ({self.position_rows}, {length}) or (1, {length})")
-        return positions.expand(self.position_rows, -1)
+        if positions is None and not prompt.get("multi_modal_inputs"):
+            positions = torch.arange(length)[None]
+        shape = None if positions is None else tuple(torch.as_tensor(positions).shape)
+        if shape not in ((1, length), (self.position_rows, length)):
+            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids of shape {shape}, expected "
+                             f"({self.position_rows}, {length}) or (1, {length}); image prompts need data.py's mrope "
+                             "position_ids [4, P]")
+        return torch.as_tensor(positions).expand(self.position_rows, -1)
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
         """Copy (name, tensor) pairs into the model in place; names are the HF model's own state_dict names.
-        Returns how many were loaded. Unknown names or wrong shapes raise, naming them."""
+        Unknown names or wrong shapes raise, naming them."""
         self.wake_up()  # load straight into the device copy
-        params = self.model.state_dict()  # name -> tensor sharing storage with the model (as of now)
-        unknown, loaded = [], 0
+        params = self.model.state_dict()  # name -> tensor sharing storage with the model
+        unknown = []
         for name, tensor in named_tensors:
             if name not in params:
                 unknown.append(name)
@@ -184,12 +179,10 @@ class HFRollout:
                                  f"expects {tuple(params[name].shape)}")
             else:
                 params[name].copy_(tensor)
-                loaded += 1
         if unknown:
             raise KeyError(f"load_weights: {len(unknown)} name(s) unknown to the rollout model "
                            f"{type(self.model).__name__}: {unknown[:8]}; expected e.g. {list(params)[:3]}. "
                            f"Send the HF model's own state_dict names (LoRA: merged weights, no peft prefixes).")
-        return loaded
 
     def sleep(self):
         """Move the weights to the CPU so the actor can use the GPU (nothing to do on a CPU run)."""
@@ -230,10 +223,9 @@ def _sample_next(logits, banned_ids, temperature, top_p, top_k, generators):
     return token, logp.gather(1, token[:, None])[:, 0]
 
 
-# -- The vLLM engine: in-process SPMD (external_launcher), one engine per TP group, colocated with the actor ---
-
 class VLLMRollout:
-    """vLLM >= 0.11 in this process, weights synced from the actor (load_format="dummy": random until then).
+    """vLLM >= 0.11 in this process (SPMD, external_launcher; one engine per TP group, colocated with the actor),
+    weights synced from the actor (load_format="dummy": random until then).
 
     Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation. A step runs
     load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
@@ -251,9 +243,8 @@ class VLLMRollout:
                               "(or set worker.rollout.name=hf)") from error
 
         self.cfg, self.max_response_length = cfg, max_response_length
-        remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
-        self.eos_ids, self.banned_ids, _ = _special_ids(config, tokenizer_path, remote)
+        remote = getattr(cfg, "trust_remote_code", False)
+        config, self.eos_ids, self.banned_ids, _ = _load_config(model_path, tokenizer_path, remote)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
         # limit_videos 0 (data without videos): vLLM neither profiles nor reserves memory for a video.
         limits = {"video": getattr(cfg, "limit_videos", 0)}
@@ -287,26 +278,25 @@ class VLLMRollout:
         mine = [{key: list(p.get(key) or []) for key in ("raw_prompt_ids", "images", "videos", "video_metadata")}
                 | {"uid": p["uid"]} for p in prompts]  # only what vLLM needs travels to the TP peers
         group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
-        requests, params = [], []
-        for i, prompt in enumerate(group):
+        requests = []
+        for prompt in group:
             videos = prompt["videos"]
             if videos and self.video_metadata:  # frames sampled by data.py: vLLM must not sample again
                 videos = [(v, {**m, "do_sample_frames": False}) for v, m in zip(videos, prompt["video_metadata"])]
             media = {kind: items for kind, items in (("image", prompt["images"]), ("video", videos)) if items}
             request = {"prompt_token_ids": prompt["raw_prompt_ids"]} | ({"multi_modal_data": media} if media else {})
-            for j in range(n):  # n requests of one sample each, every one with its own seed
-                requests.append(request)
-                params.append(self.SamplingParams(
-                    n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                    seed=derive_seed(seed, i, j), logprobs=0, detokenize=False, ignore_eos=self.cfg.ignore_eos,
-                    stop_token_ids=[] if self.cfg.ignore_eos else list(self.eos_ids), logit_bias=self.bias))
+            requests += [request] * n
+        params = [self.SamplingParams(  # n requests of one sample each (sample j of prompt i: k = i * n + j)
+            n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+            seed=derive_seed(seed, k // n, k % n), logprobs=0, detokenize=False, ignore_eos=self.cfg.ignore_eos,
+            stop_token_ids=[] if self.cfg.ignore_eos else list(self.eos_ids), logit_bias=self.bias)
+            for k in range(len(requests))]
         outputs = self.llm.generate(requests, params, use_tqdm=not self.cfg.disable_tqdm) if requests else []
         responses = []
         for k in range(offset * n, (offset + len(prompts)) * n):  # this rank's share, in order
-            completion = outputs[k].outputs[0]
-            ids = list(completion.token_ids)
-            logprobs = [step[token].logprob for token, step in zip(ids, completion.logprobs)]
-            responses.append(_response(k // n - offset, group[k // n]["uid"], ids, logprobs, self.eos_ids))
+            out = outputs[k].outputs[0]
+            logprobs = [step[token].logprob for token, step in zip(out.token_ids, out.logprobs)]
+            responses.append(_response(k // n - offset, group[k // n]["uid"], out.token_ids, logprobs, self.eos_ids))
         return responses
 
     def _gather_tp_group(self, prompts, seed):
@@ -322,20 +312,17 @@ class VLLMRollout:
     def load_weights(self, named_tensors):
         """Stream (HF name, full tensor) pairs into vLLM's own loader (it handles TP slicing and fused qkv /
         gate_up), waking only the weights so the KV cache is not allocated beside the actor's gathers."""
-        if "weights" in self.asleep:
-            torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["weights"])
-            self.asleep.discard("weights")
+        self.wake_up(tags={"weights"})
         # HF names need no mapping: vLLM's hf_to_vllm_mapper takes transformers' names (model.language_model.*,
         # model.visual.*, lm_head.*) for Qwen2/2.5/3-VL and text LMs (checked on 0.24.0); rename here if one needs it.
         _vllm_internals(self.llm)["model"].load_weights(named_tensors)
         self.synced = True
 
-    def wake_up(self):
-        if self.asleep:
+    def wake_up(self, tags=frozenset({"weights", "kv_cache"})):
+        if self.asleep & tags:
             torch.cuda.empty_cache()
-            self.llm.wake_up(tags=sorted(self.asleep))
-            self.asleep = set()
+            self.llm.wake_up(tags=sorted(self.asleep & tags))
+            self.asleep -= tags
 
     def sleep(self):
         """Reset the prefix and encoder caches (they hold results of the current weights), then sleep(level=1)."""
@@ -365,8 +352,6 @@ def _vllm_internals(llm):
             "tp_group": parallel_state.get_tp_group() if parallel_state.model_parallel_is_initialized() else None}
 
 
-# -- Shared helpers --------------------------------------------------------------------------------------------
-
 def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
     """A response dict cut after its first EOS ("stop"); without one it is truncated ("length")."""
     end = next((t + 1 for t, token in enumerate(token_ids) if token in eos_ids), None)
@@ -374,8 +359,9 @@ def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
             "logprobs": list(logprobs[:end]), "finish_reason": "length" if end is None else "stop"}
 
 
-def _special_ids(config, tokenizer_path, trust_remote_code=False):
-    """(EOS ids of the generation config, placeholder ids to ban, pad id)."""
+def _load_config(model_path, tokenizer_path, trust_remote_code=False):
+    """(the model's config, EOS ids of the generation config, placeholder ids to ban, pad id)."""
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     try:
         generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = generation.eos_token_id, generation.pad_token_id
@@ -388,7 +374,7 @@ def _special_ids(config, tokenizer_path, trust_remote_code=False):
     if not eos:
         raise ValueError(f"no EOS token id in the generation config or tokenizer at {tokenizer_path}")
     banned = [getattr(config, key, None) for key in ("image_token_id", "video_token_id")]
-    return eos, [t for t in banned if t is not None], eos[0] if pad is None else pad
+    return config, eos, [t for t in banned if t is not None], eos[0] if pad is None else pad
 
 
 def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
