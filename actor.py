@@ -35,6 +35,9 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
                       full_tensor, micro_batches_needed, move_optimizer_state, pack_samples, partition_balanced,
@@ -98,13 +101,11 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     logp, old_logp, advantages = logp.float(), old_logp.float(), advantages.float()  # [tokens]
     delta = logp - old_logp  # [tokens]
 
+    log_ratio = delta  # [tokens]
     if loss_type == "gspo":
         log_ratio = _per_sequence_mean(delta, cu_seqlens)  # [tokens], s_i on each token of sequence i
-    elif loss_type == "gspo_token":
-        seq_log_ratio = _per_sequence_mean(delta, cu_seqlens).detach()  # [tokens]
-        log_ratio = seq_log_ratio + (logp - logp.detach())  # [tokens], value exactly s_i, d/dlogp_t = 1
-    else:
-        log_ratio = delta
+    elif loss_type == "gspo_token":  # value exactly s_i, d/dlogp_t = 1
+        log_ratio = _per_sequence_mean(delta, cu_seqlens).detach() + (logp - logp.detach())
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [tokens]
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [tokens]
     negative = advantages < 0  # [tokens]
@@ -417,9 +418,6 @@ class Actor:
         """Write `path`/model and `path`/optim (DCP: the HF model's state dict, or the peft model's with LoRA, and
         the optimizer's; no optim with model_only), `path`/extra_state.pt (optimizer steps, LR scheduler, rank 0's
         RNG) and `path`/huggingface/ (config, generation config, tokenizer, processor; adapter_config.json)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         os.makedirs(path, exist_ok=True)
         dcp.save(get_model_state_dict(self.module), checkpoint_id=os.path.join(path, "model"))
         if self.optimizer is not None and not model_only:
@@ -438,10 +436,6 @@ class Actor:
         """Load what save_checkpoint wrote, on any world size. Every file is required (a save_model_only
         checkpoint has no optim/ and cannot be resumed): a missing one raises FileNotFoundError, never a silent
         fresh optimizer, LR schedule or RNG."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
-
         needed = ["model", "extra_state.pt"] + (["optim"] if self.optimizer is not None else [])
         missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
         if missing:
@@ -549,8 +543,7 @@ class Actor:
                 raise KeyError(f"Actor.update: sample {i} has no {key!r} (compute it before the update)")
             value = torch.as_tensor(samples[i][key], dtype=torch.float32).reshape(-1)
             n = len(samples[i]["response_ids"])
-            if key == "advantage" and value.numel() == 1:
-                value = value.expand(n)
+            value = value.expand(n) if key == "advantage" and value.numel() == 1 else value  # one per response
             if value.numel() != n:
                 raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} response tokens")
             parts.append(value)
