@@ -111,10 +111,8 @@ def shard_model(hf, device, fsdp_cfg, compute_dtype):
     """fully_shard every decoder layer and vision block (the model's _no_split_modules), then the root.
     fsdp_size in (0, world): hybrid sharding (replicate x shard)."""
     size, world = fsdp_cfg.fsdp_size, dist.get_world_size()
-    if 0 < size < world:
-        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("ddp", "fsdp"))
-    else:
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    shape, names = ((world // size, size), ("ddp", "fsdp")) if 0 < size < world else ((world,), ("fsdp",))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     offload = fsdp_cfg.enable_cpu_offload and device.type == "cuda"
     # Only the root casts its floating inputs (pixels) to the compute dtype. A layer's inputs are already in it,
     # except the vision rotary cos / sin (fp32): cast on the forward pass but not on the checkpoint recompute (FSDP2
@@ -134,9 +132,7 @@ def broadcast_buffers(hf, device):
     """Buffers are not in a state dict when non-persistent (rotary inv_freq): send rank 0's to the meta-built ranks."""
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
     for m in hf.modules():
-        for name, buf in list(m._buffers.items()):
-            if buf is None:
-                continue
+        for name, buf in list(m.named_buffers(recurse=False)):
             local = torch.empty(buf.shape, dtype=buf.dtype, device=comm) if buf.is_meta else buf.to(comm)
             dist.broadcast(local, src=0)
             m._buffers[name] = local.to(device)
