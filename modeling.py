@@ -132,7 +132,7 @@ def broadcast_buffers(hf, device):
     """Buffers are not in a state dict when non-persistent (rotary inv_freq): send rank 0's to the meta-built ranks."""
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
     for m in hf.modules():
-        for name, buf in list(m.named_buffers(recurse=False)):
+        for name, buf in list(m.named_buffers(recurse=False, remove_duplicate=False)):
             local = torch.empty(buf.shape, dtype=buf.dtype, device=comm) if buf.is_meta else buf.to(comm)
             dist.broadcast(local, src=0)
             m._buffers[name] = local.to(device)
