@@ -7,8 +7,7 @@ A training step asks three passes of it, each on a list of sample dicts:
                        clipped optimizer step per mini-batch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
-only torch and can be copied alone; the model plumbing (loading, FSDP2, LoRA, packing, the packed forward,
-attention routing) is in modeling.py. No Ray, vLLM or datasets here.
+only torch and can be copied alone; the model plumbing (loading, FSDP2, LoRA, packing, the forward) is in modeling.py.
 
 A sample (built by trainer.py) holds:
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded
@@ -26,6 +25,7 @@ Config: the worker.actor section (ActorConfig; every key documented in configs/g
 every rank calls each method together (FSDP all-gathers inside); without one, nothing is sharded.
 """
 
+import collections
 import contextlib
 import logging
 import math
@@ -35,6 +35,9 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
                       full_tensor, micro_batches_needed, move_optimizer_state, pack_samples, partition_balanced,
@@ -98,13 +101,11 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     logp, old_logp, advantages = logp.float(), old_logp.float(), advantages.float()  # [tokens]
     delta = logp - old_logp  # [tokens]
 
+    log_ratio = delta  # [tokens]
     if loss_type == "gspo":
         log_ratio = _per_sequence_mean(delta, cu_seqlens)  # [tokens], s_i on each token of sequence i
-    elif loss_type == "gspo_token":
-        seq_log_ratio = _per_sequence_mean(delta, cu_seqlens).detach()  # [tokens]
-        log_ratio = seq_log_ratio + (logp - logp.detach())  # [tokens], value exactly s_i, d/dlogp_t = 1
-    else:
-        log_ratio = delta
+    elif loss_type == "gspo_token":  # value exactly s_i, d/dlogp_t = 1
+        log_ratio = _per_sequence_mean(delta, cu_seqlens).detach() + (logp - logp.detach())
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [tokens]
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [tokens]
     negative = advantages < 0  # [tokens]
@@ -194,10 +195,10 @@ def kl_penalty(logp, ref_logp, kind="low_var_kl"):
 
 def _per_sequence_mean(values, cu_seqlens, broadcast=True):
     """Mean of `values [tokens]` over each sequence: `[n_seq]`, or `[tokens]` broadcast back if asked."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [n_seq]
-    seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths.to(values.device))
-    sums = torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
-    means = sums / lengths.clamp(min=1).to(values.device, values.dtype)  # [n_seq]; 0 for an empty sequence
+    lengths = cu_seqlens.diff().to(values.device)  # [n_seq]
+    seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)  # [tokens]
+    sums = values.new_zeros(lengths.numel()).index_add(0, seq_ids, values)
+    means = sums / lengths.clamp(min=1).to(values.dtype)  # [n_seq]; 0 for an empty sequence
     return means[seq_ids] if broadcast else means
 
 
@@ -209,9 +210,8 @@ def _check_flat(cu_seqlens, **tensors):
     tokens = next(iter(shapes.values()))[0]
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != tokens:
         raise ValueError(f"cu_seqlens must run from 0 to the token count {tokens}, got {cu_seqlens.tolist()}")
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if (lengths < 0).any():
-        bad = torch.nonzero(lengths < 0).flatten().tolist()
+    bad = torch.nonzero(cu_seqlens.diff() < 0).flatten().tolist()
+    if bad:
         raise ValueError(f"cu_seqlens decreases at sequences {bad}: {cu_seqlens.tolist()}")
 
 
@@ -220,12 +220,11 @@ def _check_flat(cu_seqlens, **tensors):
 class Actor:
     """The policy (role="actor": trainable, optimizer) or the reference (role="ref": frozen, no optimizer).
 
-    cfg is the worker.actor section (ActorConfig; the reference gets the same); temperature divides the logits of
-    every log-prob pass (the rollout's). Without max_tokens_per_micro_batch the micro-batch token budget is
-    micro_batch_size_per_device_for_update (_experience for the reference) x (max_prompt_length +
-    max_response_length); max_response_length is also Dr. GRPO's constant length. A mini-batch is
-    global_batch_size x n_per_prompt samples; the LR schedule lasts training_steps updates; use_kl_loss, kl_coef
-    and kl_penalty (algorithm section) add the KL loss term.
+    cfg is the worker.actor section (the reference gets the same); temperature divides the logits of every log-prob
+    pass (the rollout's). max_prompt_length + max_response_length sizes the default micro-batch budget (_plan);
+    max_response_length is also Dr. GRPO's constant length. A mini-batch is global_batch_size x n_per_prompt
+    samples; the LR schedule lasts training_steps updates; use_kl_loss, kl_coef and kl_penalty (algorithm section)
+    add the KL loss term.
 
     Weights: the actor keeps master weights in fsdp.torch_dtype (default fp32) and computes in fsdp.mp_param_dtype
     (FSDP2 MixedPrecisionPolicy when sharded, autocast when not). The reference and LoRA's frozen base weights are
@@ -237,9 +236,8 @@ class Actor:
                  kl_penalty="low_var_kl"):
         if role not in ("actor", "ref"):
             raise ValueError(f"Actor: role must be 'actor' or 'ref', got {role!r}")
-        self.cfg, self.role, self.temperature = cfg, role, float(temperature)
+        self.cfg, self.role, self.temperature, self.n_per_prompt = cfg, role, float(temperature), n_per_prompt
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        self.n_per_prompt = n_per_prompt
         self.use_kl_loss, self.kl_coef, self.kl_kind = use_kl_loss, kl_coef, kl_penalty
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -266,11 +264,10 @@ class Actor:
         self.autocast = not self.sharded and self.compute_dtype != master
 
         # 2. Offloading: offload.* parameters / optimizer state wait on the CPU between the passes that need them.
-        offloaded = self.sharded and cfg.fsdp.enable_cpu_offload and self.device.type == "cuda"
-        movable = self.device.type == "cuda" and not offloaded
-        self.offload_params = cfg.offload.offload_params and movable
-        self.offload_optimizer = cfg.offload.offload_optimizer and movable and role == "actor"
-        if (cfg.offload.offload_params or cfg.offload.offload_optimizer) and not movable and self.rank == 0:
+        on_device = self.device.type == "cuda" and not (self.sharded and cfg.fsdp.enable_cpu_offload)  # GPU-resident
+        self.offload_params = cfg.offload.offload_params and on_device
+        self.offload_optimizer = cfg.offload.offload_optimizer and on_device and role == "actor"
+        if (cfg.offload.offload_params or cfg.offload.offload_optimizer) and not on_device and self.rank == 0:
             where = "device cpu" if self.device.type == "cpu" else "fsdp.enable_cpu_offload"
             logger.warning("%s: offload.offload_params / offload_optimizer do nothing: the parameters already live on "
                            "the CPU (%s)", role, where)
@@ -282,16 +279,13 @@ class Actor:
             params = [p for p in self.module.parameters() if p.requires_grad]
             groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
                       {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-            if o.strategy == "adamw_bf16":
-                self.optimizer = AdamWBF16(groups, lr=o.lr, betas=tuple(o.betas))
-            else:
-                if master != torch.float32 and self.rank == 0:
-                    logger.warning("actor: fsdp.torch_dtype=%s with optim.strategy=adamw rounds every step into the "
-                                   "weights: steps below half their spacing (lr 1e-6 on weights of 0.02) are lost; "
-                                   "use optim.strategy=adamw_bf16 (compensated) or torch_dtype=null (fp32)",
-                                   cfg.fsdp.torch_dtype)
-                fused = self.device.type == "cuda" and not offloaded
-                self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=fused or None)
+            if o.strategy != "adamw_bf16" and master != torch.float32 and self.rank == 0:
+                logger.warning("actor: fsdp.torch_dtype=%s with optim.strategy=adamw rounds every step into the "
+                               "weights: steps below half their spacing (lr 1e-6 on weights of 0.02) are lost; "
+                               "use optim.strategy=adamw_bf16 (compensated) or torch_dtype=null (fp32)",
+                               cfg.fsdp.torch_dtype)
+            self.optimizer = AdamWBF16(groups, lr=o.lr, betas=tuple(o.betas)) if o.strategy == "adamw_bf16" else \
+                torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=on_device or None)  # fused on the GPU
             self.lr_scheduler = lr_schedule(self.optimizer, o, training_steps)
         self.offload()  # as EasyR1: the rollout engine, built next, finds the memory free
 
@@ -348,30 +342,28 @@ class Actor:
             [all("rollout_logprobs" in s for s in samples)], "min")[0])
         keys = ["old_logprobs", "advantage"] + (["ref_logprobs"] if self.use_kl_loss else [])
         keys += ["rollout_logprobs"] if use_rollout else []
-        sums, grad_norms, tokens = {}, [], 0
+        objective = {k: getattr(c, k) for k in ("loss_type", "clip_ratio_low", "clip_ratio_high", "clip_ratio_dual",
+                                                 "tau_positive", "tau_negative", "tis_cap")}
+        sums, grad_norms, tokens = collections.defaultdict(float), [], 0
 
         for _ in range(c.ppo_epochs):
             for mini in minis:
-                plans = self._plan([samples[i] for i in mini], "update")
                 n_tokens, n_seqs = self._all_ranks([sum(len(samples[i]["response_ids"]) for i in mini), len(mini)])
                 agg = dict(mode=c.loss_avg_mode, global_tokens=n_tokens, global_seqs=n_seqs,
                            seq_len_norm=self.max_response_length)
-                for part in plans:
+                for part in self._plan([samples[i] for i in mini], "update"):
                     idx = [mini[j] for j in part]
                     batch = self._pack(samples, idx)
+                    cu = batch["resp_cu_seqlens"]
                     logp, ent = self._forward(batch, c.compute_entropy, modalities)  # [N], [N] or [0]
                     per_token = {key: self._per_token(samples, idx, key, len(logp)) for key in keys}  # [N] each
-                    loss_tok, metrics = policy_loss(
-                        logp, per_token["old_logprobs"], per_token["advantage"], batch["resp_cu_seqlens"],
-                        loss_type=c.loss_type, clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
-                        clip_ratio_dual=c.clip_ratio_dual, tau_positive=c.tau_positive, tau_negative=c.tau_negative,
-                        rollout_logp=per_token.get("rollout_logprobs"), tis_cap=c.tis_cap)
-                    losses = {"pg_loss": aggregate_loss(loss_tok, batch["resp_cu_seqlens"], **agg)}
-                    loss = losses["pg_loss"]
+                    loss_tok, metrics = policy_loss(logp, per_token["old_logprobs"], per_token["advantage"], cu,
+                                                    rollout_logp=per_token.get("rollout_logprobs"), **objective)
+                    losses = {"pg_loss": aggregate_loss(loss_tok, cu, **agg)}
                     if self.use_kl_loss:
                         kl = kl_penalty(logp, per_token["ref_logprobs"], self.kl_kind)  # [N]
-                        losses["kl_loss"] = aggregate_loss(kl, batch["resp_cu_seqlens"], **agg)
-                        loss = loss + self.kl_coef * losses["kl_loss"]
+                        losses["kl_loss"] = aggregate_loss(kl, cu, **agg)
+                    loss = losses["pg_loss"] + self.kl_coef * losses.get("kl_loss", 0.0)
                     real = 1.0 if idx else 0.0  # 0: a dummy micro-batch that only keeps the collectives in step
                     (loss * real * self.world).backward()
                     flops += batch_flops(self.flops_params, batch)
@@ -379,9 +371,9 @@ class Actor:
                     if c.compute_entropy:
                         metrics["entropy"] = ent
                     for name, value in losses.items():  # every rank accumulates the same names
-                        sums[name] = sums.get(name, 0.0) + value.detach().double() * real
+                        sums[name] += value.detach().double() * real
                     for name, value in metrics.items():
-                        sums[name + "@tokens"] = sums.get(name + "@tokens", 0.0) + value.sum().double() * real
+                        sums[name + "@tokens"] += value.sum().double() * real
                 grad_norms.append(self._optimizer_step())
 
         self.offload()
@@ -408,7 +400,6 @@ class Actor:
         the master dtype, for the rollout engine's load_weights (every rank iterates to the end: all-gathers). With
         LoRA each adapted weight is yielded MERGED (W + scaling * B @ A) under its base name and the adapter tensors
         are not: the engine sees a plain model."""
-        adapted = {name: m for name, m in self.hf.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
         for name, tensor in self.hf.state_dict().items():
             if ".lora_" in name:
                 continue
@@ -417,7 +408,7 @@ class Actor:
                 owner, leaf = name.split(".base_layer.")
                 name = f"{owner}.{leaf}"
                 if leaf == "weight" and self.lora_rank:
-                    m = adapted[owner]
+                    m = self.hf.get_submodule(owner)
                     a = full_tensor(m.lora_A["default"].weight, self.device).float()  # [r, in]
                     b = full_tensor(m.lora_B["default"].weight, self.device).float()  # [out, r]
                     full = (full.float() + m.scaling["default"] * (b @ a)).to(full.dtype)
@@ -427,9 +418,6 @@ class Actor:
         """Write `path`/model and `path`/optim (DCP: the HF model's state dict, or the peft model's with LoRA, and
         the optimizer's; no optim with model_only), `path`/extra_state.pt (optimizer steps, LR scheduler, rank 0's
         RNG) and `path`/huggingface/ (config, generation config, tokenizer, processor; adapter_config.json)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         os.makedirs(path, exist_ok=True)
         dcp.save(get_model_state_dict(self.module), checkpoint_id=os.path.join(path, "model"))
         if self.optimizer is not None and not model_only:
@@ -448,10 +436,6 @@ class Actor:
         """Load what save_checkpoint wrote, on any world size. Every file is required (a save_model_only
         checkpoint has no optim/ and cannot be resumed): a missing one raises FileNotFoundError, never a silent
         fresh optimizer, LR schedule or RNG."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
-
         needed = ["model", "extra_state.pt"] + (["optim"] if self.optimizer is not None else [])
         missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
         if missing:
@@ -520,27 +504,24 @@ class Actor:
         balanced by tokens under the token budget (dynamic batching; else micro_batch_size_per_device_for_<kind>
         samples each), the same count on every rank (an empty list is a dummy micro-batch). Dynamic batching keeps
         the samples that share images (a prompt's responses) together where the budget allows: encoded once."""
-        lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
         size = getattr(self.cfg, f"micro_batch_size_per_device_for_{kind}")
-        if self.cfg.dynamic_batching:
-            budget = self.cfg.max_tokens_per_micro_batch
-            if not budget:
-                if self.max_prompt_length is None or self.max_response_length is None:
-                    raise ValueError("Actor: set worker.actor.max_tokens_per_micro_batch, or pass max_prompt_length "
-                                     "and max_response_length so the budget is micro_batch_size_per_device x their sum")
-                budget = size * (self.max_prompt_length + self.max_response_length)
-            units = shared_image_units(samples, lengths, budget)
-            unit_lengths = [sum(lengths[i] for i in unit) for unit in units]
-            k = micro_batches_needed(unit_lengths, budget)
-            if max(lengths, default=0) > budget:
-                logger.warning("actor: a sequence of %d tokens exceeds the micro-batch budget of %d tokens; it gets "
-                               "a micro-batch of its own", max(lengths), budget)
-        else:
-            k = math.ceil(len(samples) / size)
-        k = max(1, int(self._all_ranks([k], "max")[0]))
-        if self.cfg.dynamic_batching:
-            return [sorted(i for u in part for i in units[u]) for part in partition_balanced(unit_lengths, k)]
-        return [list(range(i * size, min((i + 1) * size, len(samples)))) for i in range(k)]
+        if not self.cfg.dynamic_batching:
+            k = max(1, int(self._all_ranks([math.ceil(len(samples) / size)], "max")[0]))
+            return [list(range(i * size, min((i + 1) * size, len(samples)))) for i in range(k)]
+        budget = self.cfg.max_tokens_per_micro_batch
+        if not budget:
+            if self.max_prompt_length is None or self.max_response_length is None:
+                raise ValueError("Actor: set worker.actor.max_tokens_per_micro_batch, or pass max_prompt_length "
+                                 "and max_response_length so the budget is micro_batch_size_per_device x their sum")
+            budget = size * (self.max_prompt_length + self.max_response_length)
+        lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+        if max(lengths, default=0) > budget:
+            logger.warning("actor: a sequence of %d tokens exceeds the micro-batch budget of %d tokens; it gets "
+                           "a micro-batch of its own", max(lengths), budget)
+        units = shared_image_units(samples, lengths, budget)
+        unit_lengths = [sum(lengths[i] for i in unit) for unit in units]
+        k = max(1, int(self._all_ranks([micro_batches_needed(unit_lengths, budget)], "max")[0]))
+        return [sorted(i for u in part for i in units[u]) for part in partition_balanced(unit_lengths, k)]
 
     def _pack(self, samples, idx):
         """Pack samples[idx] (a dummy one-token sample when idx is empty) and move the tensors to the device."""
@@ -562,8 +543,7 @@ class Actor:
                 raise KeyError(f"Actor.update: sample {i} has no {key!r} (compute it before the update)")
             value = torch.as_tensor(samples[i][key], dtype=torch.float32).reshape(-1)
             n = len(samples[i]["response_ids"])
-            if key == "advantage" and value.numel() == 1:
-                value = value.expand(n)
+            value = value.expand(n) if key == "advantage" and value.numel() == 1 else value  # one per response
             if value.numel() != n:
                 raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} response tokens")
             parts.append(value)
@@ -597,7 +577,6 @@ class Actor:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return t.tolist()
-
 
 
 # --- The LR schedule and the Hugging Face files of a checkpoint ----------------------------------------------------

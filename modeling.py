@@ -1,13 +1,10 @@
 """modeling.py: the model plumbing under actor.py, skippable on a first reading. Imports no stage.
 
-Building the model (loading, LoRA, FSDP2 sharding), packing samples into one padding-free row and balancing
-micro-batches, the packed forward with the vision calls and the response-only LM head, attention routed over
-explicit sequence boundaries, and small pieces for weight streaming, FLOP counting, offloading and a bf16 AdamW.
-
 Needs transformers >= 5.18 (its Qwen-VL forwards take precomputed `mm_encoder_outputs`; 5.17 is refused with a
 clear error; tested with 5.22.2 and 5.24.0) and torch >= 2.6 (FSDP2).
 """
 
+import functools
 import inspect
 import logging
 import math
@@ -16,6 +13,12 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -45,15 +48,14 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
                               PreTrainedConfig)
 
     sharded = dist.is_available() and dist.is_initialized()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
-    rank0_init = sharded and world > 1 and cfg.fsdp.enable_rank0_init
+    rank0_init = sharded and dist.get_world_size() > 1 and cfg.fsdp.enable_rank0_init
     model_cfg = cfg.model
     AttentionInterface.register(ATTENTION, packed_attention)
     config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
                                         **(model_cfg.override_config or {}))
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     weights_dtype = compute_dtype if lora_rank else master_dtype
-    if rank0_init and rank != 0:
+    if rank0_init and dist.get_rank() != 0:
         with torch.device("meta"):
             hf = auto.from_config(config, dtype=weights_dtype, trust_remote_code=model_cfg.trust_remote_code)
     else:
@@ -73,7 +75,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
                                                target_modules=targets, exclude_modules=lora.exclude_modules))
         for p in module.parameters():
             p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
-    full_state = dict(module.state_dict()) if rank0_init and rank == 0 else None
+    full_state = dict(module.state_dict()) if rank0_init and dist.get_rank() == 0 else None
 
     if role == "ref":
         module.requires_grad_(False)
@@ -96,10 +98,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     hf.packed_forward = types.MethodType(packed_forward, hf)
     if not sharded:
         return hf.to(device), module, config
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    shard_model(hf, device, cfg.fsdp, compute_dtype, world)
+    shard_model(hf, device, cfg.fsdp, compute_dtype)
     if rank0_init:
         set_model_state_dict(module, full_state or {}, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
@@ -108,17 +107,12 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     return hf, module, config
 
 
-def shard_model(hf, device, fsdp_cfg, compute_dtype, world):
+def shard_model(hf, device, fsdp_cfg, compute_dtype):
     """fully_shard every decoder layer and vision block (the model's _no_split_modules), then the root.
     fsdp_size in (0, world): hybrid sharding (replicate x shard)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    size = fsdp_cfg.fsdp_size
-    if 0 < size < world:
-        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("ddp", "fsdp"))
-    else:
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    size, world = fsdp_cfg.fsdp_size, dist.get_world_size()
+    shape, names = ((world // size, size), ("ddp", "fsdp")) if 0 < size < world else ((world,), ("fsdp",))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     offload = fsdp_cfg.enable_cpu_offload and device.type == "cuda"
     # Only the root casts its floating inputs (pixels) to the compute dtype. A layer's inputs are already in it,
     # except the vision rotary cos / sin (fp32): cast on the forward pass but not on the checkpoint recompute (FSDP2
@@ -138,9 +132,7 @@ def broadcast_buffers(hf, device):
     """Buffers are not in a state dict when non-persistent (rotary inv_freq): send rank 0's to the meta-built ranks."""
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
     for m in hf.modules():
-        for name, buf in list(m._buffers.items()):
-            if buf is None:
-                continue
+        for name, buf in list(m.named_buffers(recurse=False, remove_duplicate=False)):
             local = torch.empty(buf.shape, dtype=buf.dtype, device=comm) if buf.is_meta else buf.to(comm)
             dist.broadcast(local, src=0)
             m._buffers[name] = local.to(device)
@@ -214,9 +206,8 @@ def micro_batches_needed(lengths, budget):
     """The fewest groups >= ceil(total / budget) whose balanced partition keeps every group of two or more
     sequences within `budget` tokens (a longer single sequence gets a group of its own)."""
     k = max(1, math.ceil(sum(lengths) / budget))
-    while k < len(lengths):
-        if all(sum(lengths[i] for i in g) <= budget or len(g) == 1 for g in partition_balanced(lengths, k)):
-            break
+    while k < len(lengths) and not all(sum(lengths[i] for i in g) <= budget or len(g) == 1
+                                       for g in partition_balanced(lengths, k)):
         k += 1
     return max(1, min(k, len(lengths)))
 
@@ -365,20 +356,9 @@ def _repeat_images(output, order, n_images):
 def _as_zero_rows(output):
     """A vision output with every tensor replaced by zero rows that still depend on the tower (x[:0] + 0 * sum):
     merged into the text as nothing, yet the tower joins the backward like a real image would."""
-    leaves = []
-    _map_tensors(list(output.values()), leaves.append)  # collect every tensor
-    zero = sum(t.float().sum() for t in leaves if t.is_floating_point()) * 0.0  # a 0-dim tensor
-    for key in list(output.keys()):
-        output[key] = _map_tensors(output[key], lambda t: t[:0] + zero.to(t.dtype) if t.is_floating_point() else t[:0])
-    return output
-
-
-def _map_tensors(x, fn):
-    if torch.is_tensor(x):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map_tensors(v, fn) for v in x)
-    return x
+    leaves = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point()]
+    zero = sum(t.float().sum() for t in leaves) * 0.0  # a 0-dim tensor
+    return tree_map_only(torch.Tensor, lambda t: t[:0] + zero.to(t.dtype) if t.is_floating_point() else t[:0], output)
 
 
 # --- Attention: sequence-isolated varlen attention, registered with transformers -----------------------------------
@@ -435,27 +415,22 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
     return out[0].transpose(0, 1)
 
 
-_KERNELS, _LOGGED = {}, set()
-
-
+@functools.cache
 def _kernel(name):
     """flash-attn's flash_attn_varlen_func ("flash") or torch's varlen_attn ("torch"), imported once; None if absent."""
-    if name not in _KERNELS:
-        try:
-            if name == "flash":
-                from flash_attn import flash_attn_varlen_func as fn
-            else:
-                from torch.nn.attention.varlen import varlen_attn as fn
-        except ImportError:
-            fn = None
-        _KERNELS[name] = fn
-    return _KERNELS[name]
+    try:
+        if name == "flash":
+            from flash_attn import flash_attn_varlen_func as fn
+        else:
+            from torch.nn.attention.varlen import varlen_attn as fn
+        return fn
+    except ImportError:
+        return None
 
 
+@functools.cache  # once per backend
 def _log_backend(name):
-    if name not in _LOGGED:
-        _LOGGED.add(name)
-        logger.info("actor: attention backend %s", name)
+    logger.info("actor: attention backend %s", name)
 
 
 # --- A bf16 AdamW that loses no small step -------------------------------------------------------------------------
@@ -537,17 +512,14 @@ def batch_flops(params, batch):
 
 def peak_tflops(device):
     name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_TFLOPS:
-        if key in name:
-            return value
-    logger.warning("actor: unknown GPU %r for perf/mfu_actor; assuming 989 TFLOP/s", name)
-    return 989.0
+    peak = next((value for key, value in PEAK_TFLOPS if key in name), None)
+    if peak is None:
+        logger.warning("actor: unknown GPU %r for perf/mfu_actor; assuming 989 TFLOP/s", name)
+    return peak or 989.0
 
 
 def full_tensor(t, device):
     """A DTensor gathered to a full tensor (moved to `device` first: NCCL cannot gather CPU-offloaded shards)."""
-    from torch.distributed.tensor import DTensor
-
     return t.to(device).full_tensor() if isinstance(t, DTensor) else t.to(device)
 
 
@@ -559,6 +531,4 @@ def move_optimizer_state(optimizer, device):
 
 
 def _local(t):
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
