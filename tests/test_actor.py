@@ -349,17 +349,24 @@ def test_micro_batch_splits_give_the_same_gradient(vl):
 
 
 @pytest.mark.slow
-def test_compiled_layers_equal_eager(vl, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_compiled_layers_equal_eager(family, request, monkeypatch):
     """use_torch_compile (the Actor applies it on CUDA only; forced here on the CPU): every decoder layer and
     vision block torch.compiled, under gradient checkpointing, gives the eager log-probs and gradients."""
-    samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, None, 6, 2), vl_sample(vl, (112, 56), 3, 3)]
+    if family == "qwen3_vl":
+        path, model = request.getfixturevalue("qwen3_vl")
+        samples = qwen3_image_samples(model)
+    else:
+        vl = request.getfixturevalue("vl")
+        path = vl.path
+        samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, None, 6, 2), vl_sample(vl, (112, 56), 3, 3)]
     weights = token_weights(samples)
-    eager = make_actor(vl.path, **{"model.enable_gradient_checkpointing": True})
+    eager = make_actor(path, **{"model.enable_gradient_checkpointing": True})
     expected = eager.compute_log_probs(samples)
     packed_backward(eager, samples, weights)
     build = modeling.build_model
     monkeypatch.setattr(actor, "build_model", lambda *args: build(*args[:-1], compile_layers=True))
-    compiled = make_actor(vl.path, **{"model.enable_gradient_checkpointing": True})
+    compiled = make_actor(path, **{"model.enable_gradient_checkpointing": True})
     assert sum(getattr(m, "_compiled_call_impl", None) is not None for m in compiled.hf.modules()) == \
         len(compiled.hf.model.language_model.layers) + len(compiled.hf.model.visual.blocks)
     for got, want in zip(compiled.compute_log_probs(samples), expected):
@@ -401,8 +408,8 @@ def qwen3_vl(tmp_path_factory):
     return path, Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def test_qwen3_vl_packed_equals_per_sequence(qwen3_vl):
-    path, model = qwen3_vl
+def qwen3_image_samples(model):
+    """Three samples for the tiny Qwen3-VL: an image of 2 x 4 patches, none, 4 x 4 patches."""
     samples = []
     for seed, (rows, response_len) in enumerate([(2, 4), (0, 3), (4, 5)]):  # image of 2 x 4 / none / 4 x 4 patches
         g = torch.Generator().manual_seed(seed)
@@ -418,6 +425,12 @@ def test_qwen3_vl_packed_equals_per_sequence(qwen3_vl):
         position_ids = torch.cat([torch.arange(len(ids))[None], mrope[:, 0]])  # [4, P]
         samples.append({"prompt_ids": ids, "response_ids": response, "multi_modal_inputs": mm,
                         "position_ids": position_ids, "mm_token_type_ids": types})
+    return samples
+
+
+def test_qwen3_vl_packed_equals_per_sequence(qwen3_vl):
+    path, model = qwen3_vl
+    samples = qwen3_image_samples(model)
     a = make_actor(path)
     weights = token_weights(samples)
     logps = a.compute_log_probs(samples)
