@@ -92,9 +92,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         # The layers share transformers' checkpointing wrapper, compiled once per (layer class, FSDP subclass,
         # input rank): about 10 graphs, over torch's default limit of 8 per code object.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        for m in hf.modules():
-            if type(m).__name__ in set(getattr(hf, "_no_split_modules", None) or []):
-                m.compile(dynamic=True)
+        for m in layer_units(hf):
+            m.compile(dynamic=True)
     hf.packed_forward = types.MethodType(packed_forward, hf)
     if not sharded:
         return hf.to(device), module, config
@@ -121,11 +120,15 @@ def shard_model(hf, device, fsdp_cfg, compute_dtype):
                                       cast_forward_inputs=cast) for cast in (False, True)]
     kwargs = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.enable_full_shard,
                   offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    units = set(getattr(hf, "_no_split_modules", None) or [])
-    for m in list(hf.modules()):
-        if type(m).__name__ in units:
-            fully_shard(m, mp_policy=precision[0], **kwargs)
+    for m in layer_units(hf):
+        fully_shard(m, mp_policy=precision[0], **kwargs)
     fully_shard(hf, mp_policy=precision[1], **kwargs)
+
+
+def layer_units(hf):
+    """The decoder layers and vision blocks (the model's _no_split_modules): each compiled and sharded alone."""
+    names = set(getattr(hf, "_no_split_modules", None) or [])
+    return [m for m in hf.modules() if type(m).__name__ in names]
 
 
 def broadcast_buffers(hf, device):

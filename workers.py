@@ -82,10 +82,14 @@ class Worker:
         self.memory.clear()
         return metrics
 
-    def checkpoint(self, method, *args):
-        """actor.save_checkpoint or load_checkpoint, on the device: offloaded state too, as in EasyR1."""
+    def save(self, path, model_only):
+        self.actor.onload(optimizer=True)  # offloaded state is saved and loaded on the device, as in EasyR1
+        self.actor.save_checkpoint(path, model_only=model_only)
+        self.actor.offload()
+
+    def load(self, path):
         self.actor.onload(optimizer=True)
-        getattr(self.actor, method)(*args)
+        self.actor.load_checkpoint(path)
         self.actor.offload()
 
     def address(self):
@@ -176,10 +180,10 @@ class WorkerGroup:
         return {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
 
     def save(self, path, model_only):
-        self._get([w.checkpoint.remote("save_checkpoint", path, model_only) for w in self.workers], "checkpoint save")
+        self._get([w.save.remote(path, model_only) for w in self.workers], "checkpoint save")
 
     def load(self, path):
-        self._get([w.checkpoint.remote("load_checkpoint", path) for w in self.workers], "checkpoint load")
+        self._get([w.load.remote(path) for w in self.workers], "checkpoint load")
 
     def shutdown(self):
         for w in getattr(self, "workers", []):
