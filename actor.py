@@ -36,11 +36,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
-                      full_tensor, micro_batches_needed, move_optimizer_state, pack_samples, partition_balanced,
+                      HostCopy, full_tensor, micro_batches_needed, pack_samples, partition_balanced,
                       peak_tflops, shared_image_units)
 
 logger = logging.getLogger(__name__)
@@ -267,6 +268,7 @@ class Actor:
         on_device = self.device.type == "cuda" and not (self.sharded and cfg.fsdp.enable_cpu_offload)  # GPU-resident
         self.offload_params = cfg.offload.offload_params and on_device
         self.offload_optimizer = cfg.offload.offload_optimizer and on_device and role == "actor"
+        self.host_params, self.host_optimizer = HostCopy(), HostCopy()
         if (cfg.offload.offload_params or cfg.offload.offload_optimizer) and not on_device and self.rank == 0:
             where = "device cpu" if self.device.type == "cpu" else "fsdp.enable_cpu_offload"
             logger.warning("%s: offload.offload_params / offload_optimizer do nothing: the parameters already live on "
@@ -399,7 +401,14 @@ class Actor:
         """Stream (name, full tensor) pairs of the HF model's state_dict(), one gathered at a time, on self.device in
         the master dtype, for the rollout engine's load_weights (every rank iterates to the end: all-gathers). With
         LoRA each adapted weight is yielded MERGED (W + scaling * B @ A) under its base name and the adapter tensors
-        are not: the engine sees a plain model."""
+        are not: the engine sees a plain model. Offloaded parameters come back to the device for the stream."""
+        self.onload()
+        try:
+            yield from self._named_tensors()
+        finally:
+            self.offload()
+
+    def _named_tensors(self):
         for name, tensor in self.hf.state_dict().items():
             if ".lora_" in name:
                 continue
@@ -482,20 +491,24 @@ class Actor:
         return norm
 
     def onload(self, optimizer=False):
-        """Parameters (offload.offload_params) and, with `optimizer`, optimizer state (offload.offload_optimizer) to
-        the device for a pass. A no-op for what is not offloaded. compute_log_probs and update call it themselves."""
+        """Parameters (offload.offload_params) and, with `optimizer`, optimizer state (offload.offload_optimizer) back
+        on the device for a pass. A no-op for what is not offloaded. The passes call it themselves."""
         if self.offload_params:
-            self.module.to(self.device)  # FSDP2 moves its DTensor shards (FSDPModule._apply reshards, then re-pads)
+            self.host_params.onload()
         if optimizer and self.offload_optimizer:
-            move_optimizer_state(self.optimizer, self.device)
+            self.host_optimizer.onload()
 
     def offload(self):
-        """After a pass: offloaded parameters (with any gradients) and optimizer state to the CPU, and the freed
-        device memory back to the driver, where the rollout engine takes it while it generates."""
+        """After a pass: offloaded parameters and optimizer state to pinned host memory (modeling.HostCopy), and the
+        freed device memory back to the driver, where the rollout engine takes it while it generates."""
         if self.offload_params:
-            self.module.to("cpu")
+            for m in self.module.modules():  # FSDP2 keeps the root's parameters gathered after a no-grad forward
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            self.host_params.offload([t for p in self.module.parameters() for t in (p, p.grad) if t is not None])
         if self.offload_optimizer:
-            move_optimizer_state(self.optimizer, torch.device("cpu"))
+            self.host_optimizer.offload([v for state in self.optimizer.state.values() for v in state.values()
+                                         if torch.is_tensor(v)])
         if self.offload_params or self.offload_optimizer:
             torch.cuda.empty_cache()
 

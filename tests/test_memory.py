@@ -151,6 +151,30 @@ def text_samples(n=4, prompt=12, response=6):
              "advantage": 1.0 if i % 2 else -1.0} for i in range(n)]
 
 
+def test_host_copy_frees_storages_and_restores_them_with_their_views():
+    """HostCopy (the offload mechanism) on CPU tensors standing in for device ones: after offload every storage is
+    0 bytes and the host buffer holds the bytes; after onload a parameter, a view of its padded storage (FSDP2's
+    sharded parameter) and a second tensor read their values again, an in-place change made between two round
+    trips survives the next one, the buffer is reused, and a second offload or onload in a row changes nothing."""
+    padded = torch.arange(10, dtype=torch.float32)  # FSDP2: the sharded parameter views its padded storage
+    shard, state = padded[:7], torch.full((3, 2), 2.5, dtype=torch.bfloat16)
+    host = modeling.HostCopy()
+    host.offload([shard, padded, state])
+    assert padded.untyped_storage().nbytes() == 0 and state.untyped_storage().nbytes() == 0
+    assert host.buffer.numel() == 10 * 4 + 6 * 2
+    buffer = host.buffer
+    host.offload([shard, padded, state])  # already offloaded: nothing is overwritten
+    host.onload()
+    host.onload()
+    assert torch.equal(shard, torch.arange(7, dtype=torch.float32)) and torch.equal(padded, torch.arange(10.0))
+    assert torch.equal(state, torch.full((3, 2), 2.5, dtype=torch.bfloat16))
+    shard.add_(1.0)  # an update between passes
+    host.offload([shard, state])
+    host.onload()
+    assert torch.equal(padded[:7], torch.arange(1.0, 8.0)) and padded[9] == 9.0
+    assert host.buffer is buffer
+
+
 # EasyR1's examples/config.yaml, its memory settings: manual offload of the actor, FSDP's own offload for the ref.
 EASYR1_MEMORY = ["worker.actor.offload.offload_params=true", "worker.actor.offload.offload_optimizer=true",
                  "worker.actor.fsdp.enable_cpu_offload=false", "worker.ref.fsdp.enable_cpu_offload=true",
@@ -185,11 +209,12 @@ def test_easyr1_offload_settings_start_and_train_on_the_cpu(toy, monkeypatch, ca
 
 
 def _where(actor):
-    """({devices of the parameters' local shards}, {devices of the optimizer's state tensors}, their bytes)."""
+    """({where the parameters' local shards are}, {where the optimizer's state tensors are}, their bytes): "cuda",
+    or "host" for a device tensor whose storage is freed (offloaded into modeling.HostCopy), or "cpu"."""
     params = [modeling._local(p) for p in actor.module.parameters()]
     state = [modeling._local(v) for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return ({t.device.type for t in params}, {t.device.type for t in state},
-            sum(t.numel() * t.element_size() for t in params + state))
+    place = lambda t: "host" if t.is_cuda and t.untyped_storage().nbytes() == 0 else t.device.type  # noqa: E731
+    return ({place(t) for t in params}, {place(t) for t in state}, sum(t.numel() * t.element_size() for t in params + state))
 
 
 def _offload_main(rank, world, port, model_path, lora, out_path):
@@ -234,8 +259,8 @@ def _offload_main(rank, world, port, model_path, lora, out_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("world, lora", [(1, False), (1, True), (2, False)])
 def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path, world, lora):
-    """FSDP2 on `world` GPUs: with offload, parameters and optimizer state are on the CPU after construction and
-    after every pass, on the GPU after onload(optimizer=True); the device then holds them (allocated bytes rise by
+    """FSDP2 on `world` GPUs: with offload, parameters and optimizer state are in host memory after construction
+    and after every pass (their device storage freed), on the GPU after onload(optimizer=True); the device then holds them (allocated bytes rise by
     at least their size) and gives them back on offload(), holding at least that much less than the same passes
     without offload. The weights after two updates match a run without."""
     if torch.cuda.device_count() < world:
@@ -255,7 +280,7 @@ def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path,
     memory = dict((phase, (where, allocated)) for phase, where, allocated in results[True][0])
     for phase in ("init", "log_probs", "update", "offload"):
         params, state, _ = memory[phase][0]
-        assert params == {"cpu"} and state <= {"cpu"}, (phase, params, state)
+        assert params == {"host"} and state <= {"host"}, (phase, params, state)
     params, state, size = memory["onload"][0]
     assert params == {"cuda"} and state == {"cuda"}, ("onload", params, state)
     assert memory["onload"][1] - memory["offload"][1] >= size, (size, memory)
