@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 import actor  # noqa: E402
 import modeling  # noqa: E402
 from config import ActorConfig, FSDPConfig, LoraConfig, ModelConfig, OptimConfig  # noqa: E402
+from conftest import leave_rank  # noqa: E402
 
 TEMPERATURE = 0.7
 LOGP_ATOL = 1e-5
@@ -621,6 +622,7 @@ def _rank_main(fn, rank, world, tmp, args):
         with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
             f.write(f"rank {rank}:\n{traceback.format_exc()}")
         raise
+    leave_rank()
 
 
 @pytest.mark.parametrize("tied", [False, True])

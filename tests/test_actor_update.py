@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import actor as actor_module  # noqa: E402
 from config import ActorConfig  # noqa: E402
+from conftest import leave_rank  # noqa: E402
 
 MAX_PROMPT, MAX_RESPONSE = 64, 8
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32 sums in another order
@@ -237,6 +238,7 @@ def _rank_main(rank, world, port, model_path, samples_path, out_path):
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import actor as actor_module  # noqa: E402
 import modeling  # noqa: E402
+from conftest import leave_rank  # noqa: E402
 
 STEPS, LR, SCALE, SHAPE = 200, 1e-6, 0.02, (256, 256)
 
@@ -78,14 +79,13 @@ def test_adamw_bf16_state_is_bf16_and_fp32_weights_get_no_compensation():
 # AdamWBF16 on FSDP2 shards (2 gloo ranks) = on the full tensors in one process
 # ----------------------------------------------------------------------------------------------
 
-def _sharded_adamw_main(rank, port, out_path):
+def _sharded_adamw_main(rank, store, out_path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)  # no port to race for
     try:
         model = _tiny_model()
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
@@ -99,6 +99,7 @@ def _sharded_adamw_main(rank, port, out_path):
             torch.save((full, comp), out_path)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _tiny_model():
@@ -116,11 +117,9 @@ def _train(model, opt):
 
 
 def test_adamw_bf16_on_fsdp2_shards_matches_one_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_sharded_adamw_main, args=(r, port, str(tmp_path / "out.pt"))) for r in range(2)]
+    procs = [ctx.Process(target=_sharded_adamw_main, args=(r, str(tmp_path / "store"), str(tmp_path / "out.pt")))
+             for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.time() + 120
@@ -254,6 +253,7 @@ def _offload_main(rank, world, port, model_path, lora, out_path):
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

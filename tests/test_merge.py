@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import merge
+from conftest import leave_rank
 
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=".*visual.*")
 
@@ -84,6 +85,7 @@ def fsdp_worker(rank, port, jobs):
         fully_shard(model, mesh=mesh)
         dcp.save(get_model_state_dict(model), checkpoint_id=out)
     dist.destroy_process_group()
+    leave_rank()
 
 
 def spawn_two_ranks(worker, *args, timeout=300):
@@ -468,6 +470,7 @@ def actor_worker(rank, port, model_path, samples_path, root):
         if rank == 0:
             torch.save(named, os.path.join(root, f"{kind}_named.pt"))
     dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.slow
