@@ -36,9 +36,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
                       HostCopy, full_tensor, micro_batches_needed, pack_samples, partition_balanced,
@@ -404,24 +404,21 @@ class Actor:
         are not: the engine sees a plain model. Offloaded parameters come back to the device for the stream."""
         self.onload()
         try:
-            yield from self._named_tensors()
+            for name, tensor in self.hf.state_dict().items():
+                if ".lora_" in name:
+                    continue
+                full = full_tensor(tensor, self.device)
+                if ".base_layer." in name:
+                    owner, leaf = name.split(".base_layer.")
+                    name = f"{owner}.{leaf}"
+                    if leaf == "weight" and self.lora_rank:
+                        m = self.hf.get_submodule(owner)
+                        a = full_tensor(m.lora_A["default"].weight, self.device).float()  # [r, in]
+                        b = full_tensor(m.lora_B["default"].weight, self.device).float()  # [out, r]
+                        full = (full.float() + m.scaling["default"] * (b @ a)).to(full.dtype)
+                yield name, full
         finally:
             self.offload()
-
-    def _named_tensors(self):
-        for name, tensor in self.hf.state_dict().items():
-            if ".lora_" in name:
-                continue
-            full = full_tensor(tensor, self.device)
-            if ".base_layer." in name:
-                owner, leaf = name.split(".base_layer.")
-                name = f"{owner}.{leaf}"
-                if leaf == "weight" and self.lora_rank:
-                    m = self.hf.get_submodule(owner)
-                    a = full_tensor(m.lora_A["default"].weight, self.device).float()  # [r, in]
-                    b = full_tensor(m.lora_B["default"].weight, self.device).float()  # [out, r]
-                    full = (full.float() + m.scaling["default"] * (b @ a)).to(full.dtype)
-            yield name, full
 
     def save_checkpoint(self, path, model_only=False):
         """Write `path`/model and `path`/optim (DCP: the HF model's state dict, or the peft model's with LoRA, and

@@ -213,7 +213,8 @@ def _where(actor):
     params = [modeling._local(p) for p in actor.module.parameters()]
     state = [modeling._local(v) for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     place = lambda t: "host" if t.is_cuda and t.untyped_storage().nbytes() == 0 else t.device.type  # noqa: E731
-    return ({place(t) for t in params}, {place(t) for t in state}, sum(t.numel() * t.element_size() for t in params + state))
+    return ({place(t) for t in params}, {place(t) for t in state},
+            sum(t.numel() * t.element_size() for t in params + state))
 
 
 def _offload_main(rank, world, port, model_path, lora, out_path):
@@ -260,9 +261,9 @@ def _offload_main(rank, world, port, model_path, lora, out_path):
 @pytest.mark.parametrize("world, lora", [(1, False), (1, True), (2, False)])
 def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path, world, lora):
     """FSDP2 on `world` GPUs: with offload, parameters and optimizer state are in host memory after construction
-    and after every pass (their device storage freed), on the GPU after onload(optimizer=True); the device then holds them (allocated bytes rise by
-    at least their size) and gives them back on offload(), holding at least that much less than the same passes
-    without offload. The weights after two updates match a run without."""
+    and after every pass (their device storage freed), on the GPU after onload(optimizer=True); the device then
+    holds them (allocated bytes rise by at least their size) and gives them back on offload(), holding at least that
+    much less than the same passes without offload. The weights after two updates match a run without."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     with socket.socket() as s:
