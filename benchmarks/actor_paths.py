@@ -10,9 +10,11 @@ micro-batches of at most 16,384 tokens), one optimizer step per update (`--optim
     bf16       bf16 weights (fsdp.torch_dtype=bf16), plain AdamW
     fp32-fsdp  as fp32, but FSDP2 over a one-rank process group (bf16 MixedPrecisionPolicy)
     MODE+compile  MODE with worker.actor.use_torch_compile (each decoder layer and vision block torch.compiled)
+    MODE+nockpt   MODE without gradient checkpointing (no recomputed forward in the update)
 For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up (synchronised), response +
 prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, and the top CUDA kernels
-of one log-prob micro-batch and one update micro-batch (torch.profiler). `--actor-file` times another copy of
+of one log-prob micro-batch and one update micro-batch (torch.profiler), with their kernel time summed by kind
+(GEMM, attention, Triton-fused, copies and casts, the rest) and the profiled span's idle GPU time. `--actor-file` times another copy of
 actor.py (for a before/after comparison). `--samples/--prompt/--response` change the shape; `--generate` first
 times a plain vLLM generate of the same samples (one response of `--response` tokens each, EOS ignored, the
 engine alone: no Ray, no weight sync), so the three bare parts of a training step can be set against it.
@@ -70,16 +72,35 @@ def timed(fn, repeats):
     return statistics.median(times), out
 
 
+KINDS = {"gemm": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),
+         "attention": ("flash", "fmha", "attention", "attn"),
+         "triton": ("triton",),
+         "copy_cast": ("copy", "memcpy", "memset", "cast", "to_copy")}
+
+
 def top_kernels(fn, rows=8):
+    """The `rows` longest CUDA kernels of one call of fn (name, ms, share), then kernel ms summed by kind (KINDS,
+    first match by name; the rest "other"), the profiled span's wall ms and the share of it no kernel ran."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events) or 1
-    return [(e.key[:80], round(e.self_device_time_total / 1e3, 1), round(e.self_device_time_total / total, 3))
-            for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:rows]]
+    top = [(e.key[:80], round(e.self_device_time_total / 1e3, 1), round(e.self_device_time_total / total, 3))
+           for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:rows]]
+    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+    for e in events:
+        name = e.key.lower()
+        kinds[next((k for k, words in KINDS.items() if any(w in name for w in words)), "other")] += \
+            e.self_device_time_total / 1e3
+    return {"top": top, "kernel_ms_by_kind": {k: round(v, 1) for k, v in kinds.items()},
+            "kernel_ms": round(total / 1e3, 1), "wall_ms": round(wall_ms, 1),
+            "idle_share": round(max(0.0, 1 - total / 1e3 / wall_ms), 3)}
 
 
 def bare_generate(repeats):
@@ -104,9 +125,9 @@ def bare_generate(repeats):
 def run_mode(actor, mode, repeats):
     weights = "bf16" if mode.startswith("bf16") else "fp32"
     cfg = actor_config(MODEL, max_tokens_per_micro_batch=16384, compute_entropy=False, global_batch_size=SAMPLES // STEPS,
-                       use_torch_compile=mode.endswith("+compile"),
+                       use_torch_compile="+compile" in mode,
                        **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": "bf16", "fsdp.mp_reduce_dtype": "fp32",
-                          "model.enable_gradient_checkpointing": True, "optim.lr": 1e-6})
+                          "model.enable_gradient_checkpointing": "+nockpt" not in mode, "optim.lr": 1e-6})
     policy = actor.Actor(cfg, device="cuda", max_prompt_length=PROMPT, max_response_length=RESPONSE,
                          training_steps=100)
     samples = make_samples()
