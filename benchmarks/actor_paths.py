@@ -72,8 +72,8 @@ def timed(fn, repeats):
     return statistics.median(times), out
 
 
-KINDS = {"gemm": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),
-         "attention": ("flash", "fmha", "attention", "attn"),
+KINDS = {"attention": ("flash", "fmha", "attention", "attn"),  # before gemm: flash kernels name cutlass types
+         "gemm": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk"),
          "triton": ("triton",),
          "copy_cast": ("copy", "memcpy", "memset", "cast", "to_copy")}
 
