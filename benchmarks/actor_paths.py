@@ -80,16 +80,20 @@ KINDS = {"attention": ("flash", "fmha", "attention", "attn"),  # before gemm: fl
 
 def top_kernels(fn, rows=8):
     """The `rows` longest CUDA kernels of one call of fn (name, ms, share), then kernel ms summed by kind (KINDS,
-    first match by name; the rest "other"), the profiled span's wall ms and the share of it no kernel ran."""
+    first match by name; the rest "other"), the profiled span's wall ms, the share of it no kernel ran, and the
+    `rows` host-side ops with the most self CPU time (name, calls, ms): where the host spends the idle gaps."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    averages = prof.key_averages()
+    host = [(e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 1))
+            for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]]
+    events = [e for e in averages if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events) or 1
     top = [(e.key[:80], round(e.self_device_time_total / 1e3, 1), round(e.self_device_time_total / total, 3))
            for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:rows]]
@@ -100,7 +104,7 @@ def top_kernels(fn, rows=8):
             e.self_device_time_total / 1e3
     return {"top": top, "kernel_ms_by_kind": {k: round(v, 1) for k, v in kinds.items()},
             "kernel_ms": round(total / 1e3, 1), "wall_ms": round(wall_ms, 1),
-            "idle_share": round(max(0.0, 1 - total / 1e3 / wall_ms), 3)}
+            "idle_share": round(max(0.0, 1 - total / 1e3 / wall_ms), 3), "top_host_ops": host}
 
 
 def bare_generate(repeats):
