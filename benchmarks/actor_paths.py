@@ -12,7 +12,8 @@ micro-batches of at most 16,384 tokens), one optimizer step per update (`--optim
     MODE+compile  MODE with worker.actor.use_torch_compile (each decoder layer and vision block torch.compiled)
     MODE+nockpt   MODE without gradient checkpointing (no recomputed forward in the update)
 For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up (synchronised), response +
-prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, and the top CUDA kernels
+prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, the caching allocator's
+retries and cudaMalloc / cudaFree calls while timed, and the top CUDA kernels
 of one log-prob micro-batch and one update micro-batch (torch.profiler), with their kernel time summed by kind
 (GEMM, attention, Triton-fused, copies and casts, the rest) and the profiled span's idle GPU time. `--actor-file` times another copy of
 actor.py (for a before/after comparison). `--samples/--prompt/--response` change the shape; `--generate` first
@@ -107,6 +108,13 @@ def top_kernels(fn, rows=8):
             "idle_share": round(max(0.0, 1 - total / 1e3 / wall_ms), 3), "top_host_ops": host}
 
 
+def allocator_counts():
+    """torch's caching-allocator counters: a retry frees every cached block after a synchronize (the GPU idles),
+    device allocs / frees are cudaMalloc / cudaFree calls (empty_cache, fragmentation)."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+
+
 def bare_generate(repeats):
     """Seconds of one vLLM generate of SAMPLES prompts x RESPONSE new tokens (median after a warm-up), then sleep."""
     import rollout
@@ -137,13 +145,15 @@ def run_mode(actor, mode, repeats):
     samples = make_samples()
     tokens = SAMPLES * (PROMPT + RESPONSE)
     torch.cuda.reset_peak_memory_stats()
+    before = allocator_counts()
     old_s, old = timed(lambda: policy.compute_log_probs(samples), repeats)
     for s, lp in zip(samples, old):
         s["old_logprobs"] = lp
     update_s, metrics = timed(lambda: policy.update(samples), repeats)
     result = {"mode": mode, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
               "old_s": old_s, "update_s": update_s, "mfu_update": metrics.get("perf/mfu_actor"),
-              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+              "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "allocator_during_timing": {k: v - before[k] for k, v in allocator_counts().items()}}
     print(json.dumps(result), flush=True)
     one = samples[:16384 // (PROMPT + RESPONSE)]  # one micro-batch of each pass, profiled
     policy.cfg.global_batch_size = len(one)
