@@ -13,12 +13,13 @@ micro-batches of at most 16,384 tokens), one optimizer step per update (`--optim
     MODE+nockpt   MODE without gradient checkpointing (no recomputed forward in the update)
 For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up (synchronised), response +
 prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, the caching allocator's
-retries and cudaMalloc / cudaFree calls while timed, and the top CUDA kernels
-of one log-prob micro-batch and one update micro-batch (torch.profiler), with their kernel time summed by kind
-(GEMM, attention, Triton-fused, copies and casts, the rest) and the profiled span's idle GPU time. `--actor-file` times another copy of
-actor.py (for a before/after comparison). `--samples/--prompt/--response` change the shape; `--generate` first
-times a plain vLLM generate of the same samples (one response of `--response` tokens each, EOS ignored, the
-engine alone: no Ray, no weight sync), so the three bare parts of a training step can be set against it.
+retries and cudaMalloc / cudaFree calls while timed, and the top CUDA kernels of one log-prob micro-batch and
+one update micro-batch (torch.profiler), with their kernel time summed by kind (GEMM, attention, Triton-fused,
+copies and casts, the rest), the profiled span's idle GPU time and the host ops with the most CPU time.
+`--actor-file` times another copy of actor.py (for a before/after comparison). `--samples/--prompt/--response`
+change the shape; `--generate` first times a plain vLLM generate of the same samples (one response of
+`--response` tokens each, EOS ignored, the engine alone: no Ray, no weight sync), so the three bare parts of a
+training step can be set against it.
 """
 
 import argparse
