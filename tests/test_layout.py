@@ -46,3 +46,14 @@ def test_every_python_file_reads_in_one_sitting():
              for name in sorted(os.listdir(folder)) if name.endswith(".py")]
     long = {os.path.relpath(p, ROOT): n for p in paths if (n := sum(1 for _ in open(p))) > 700}
     assert not long, f"files over 700 lines (split or trim them): {long}"
+
+
+def test_train_step_reads_as_the_loop_diagram():
+    """Run.train_step holds one short block per stage of the README's loop, in its order, within 30 lines."""
+    tree = ast.parse(open(os.path.join(ROOT, "trainer.py")).read())
+    step = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "train_step")
+    lines = step.end_lineno - step.lineno + 1
+    assert lines <= 30, f"trainer.Run.train_step is {lines} lines; keep it <= 30 (one short block per stage)"
+    timers = [node.args[1].value for node in sorted(ast.walk(step), key=lambda n: getattr(n, "lineno", 0))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "timer"]
+    assert timers == ["step", "sync", "gen", "old", "ref", "adv", "update_actor"], timers
