@@ -2,6 +2,7 @@
 
     python benchmarks/actor_paths.py [--modes fp32,bf16,fp32-fsdp] [--actor-file OTHER/actor.py] [--out r.json]
     python benchmarks/actor_paths.py --modes fp32 --samples 160 --prompt 340 --generate   # a step's bare parts
+    python benchmarks/actor_paths.py --modes fp32+compile --samples 160 --images .toy/colors@train --generate
 
 A random-init 3B-sized Qwen2.5-VL (toy.py's VL_SHAPES["3b"]; built under /tmp or BENCH_MODEL), gradient
 checkpointing on, 40 samples of a 330-token prompt and a 512-token response (33.7k tokens, about three packed
@@ -17,9 +18,10 @@ retries and cudaMalloc / cudaFree calls while timed, and the top CUDA kernels of
 one update micro-batch (torch.profiler), with their kernel time summed by kind (GEMM, attention, Triton-fused,
 copies and casts, the rest), the profiled span's idle GPU time and the host ops with the most CPU time.
 `--actor-file` times another copy of actor.py (for a before/after comparison). `--samples/--prompt/--response`
-change the shape; `--generate` first times a plain vLLM generate of the same samples (one response of
-`--response` tokens each, EOS ignored, the engine alone: no Ray, no weight sync), so the three bare parts of a
-training step can be set against it.
+change the shape; `--images SOURCE` takes the trainer's own prompts instead (data.py, images included, 5
+responses each: the vision tower runs in every pass and in vLLM); `--generate` first times a plain vLLM generate
+of the same samples (`--response` tokens each, EOS ignored, the engine alone: no Ray, no weight sync), so the
+three bare parts of a training step can be set against it.
 """
 
 import argparse
@@ -40,6 +42,7 @@ from test_actor import actor_config  # noqa: E402
 
 MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
 PROMPT, RESPONSE, SAMPLES, STEPS = 330, 512, 40, 1  # changed by the command line
+IMAGES, N, PROMPTS = None, 5, None  # --images: the trainer's prompts of that source, N responses each
 
 
 def load_actor_module(path):
@@ -52,8 +55,30 @@ def load_actor_module(path):
     return module
 
 
+def image_prompts():
+    """SAMPLES // N prompt dicts of the source IMAGES, built as trainer_gpu.sh's 3B run builds them (data.py,
+    configs/toy.yaml's data section, every image scaled to 512 x 512: 324 image tokens)."""
+    import data
+    from config import load_config
+
+    cfg = load_config("configs/toy.yaml", [f"data.train_files={IMAGES}", "data.min_pixels=262144",
+                                           "data.max_pixels=262144", "data.max_prompt_length=512"]).data
+    processor, _ = data.load_processor(MODEL, cfg)
+    loader = data.PromptLoader(cfg.train_files, cfg, processor, MODEL, batch_size=SAMPLES // N, shuffle=False,
+                               drop_last=True)
+    prompts = next(loader)
+    for i, p in enumerate(prompts):
+        p["uid"] = str(i)
+    return prompts
+
+
 def make_samples(seed=0):
     g = torch.Generator().manual_seed(seed)
+    if IMAGES:  # N responses of RESPONSE random tokens to each of the trainer's prompts
+        return [{"uid": p["uid"], "prompt_ids": p["prompt_ids"], "position_ids": p["position_ids"],
+                 "multi_modal_inputs": p["multi_modal_inputs"], "advantage": 1.0,
+                 "response_ids": torch.randint(200, 150000, (RESPONSE,), generator=g).tolist()}
+                for p in PROMPTS for _ in range(N)]
     out = []
     for _ in range(SAMPLES):
         ids = torch.randint(200, 150000, (PROMPT + RESPONSE,), generator=g).tolist()
@@ -125,12 +150,16 @@ def bare_generate(repeats):
                        "MASTER_PORT": "29533", "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     cfg = RolloutConfig(name="vllm", ignore_eos=True, gpu_memory_utilization=0.35, tensor_parallel_size=1,
                         max_num_batched_tokens=16384, disable_tqdm=True)
-    engine = rollout.make_rollout(cfg, MODEL, max_prompt_length=PROMPT, max_response_length=RESPONSE, device="cuda")
+    longest = max([PROMPT] + [len(p["prompt_ids"]) for p in PROMPTS or []])
+    engine = rollout.make_rollout(cfg, MODEL, max_prompt_length=longest, max_response_length=RESPONSE, device="cuda")
     hf = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.bfloat16)
     engine.load_weights(iter(hf.state_dict().items()))
     del hf
-    prompts = [{"uid": str(i), "raw_prompt_ids": s["prompt_ids"]} for i, s in enumerate(make_samples())]
-    seconds, _ = timed(lambda: engine.generate(prompts, n=1, max_tokens=RESPONSE, seed=5), repeats)
+    if IMAGES:  # the trainer's prompts, images and all, N responses each
+        prompts, n = PROMPTS, N
+    else:
+        prompts, n = [{"uid": str(i), "raw_prompt_ids": s["prompt_ids"]} for i, s in enumerate(make_samples())], 1
+    seconds, _ = timed(lambda: engine.generate(prompts, n=n, max_tokens=RESPONSE, seed=5), repeats)
     engine.sleep()
     return seconds
 
@@ -144,19 +173,21 @@ def run_mode(actor, mode, repeats):
     policy = actor.Actor(cfg, device="cuda", max_prompt_length=PROMPT, max_response_length=RESPONSE,
                          training_steps=100)
     samples = make_samples()
-    tokens = SAMPLES * (PROMPT + RESPONSE)
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    tokens = sum(lengths)
     torch.cuda.reset_peak_memory_stats()
     before = allocator_counts()
     old_s, old = timed(lambda: policy.compute_log_probs(samples), repeats)
     for s, lp in zip(samples, old):
         s["old_logprobs"] = lp
     update_s, metrics = timed(lambda: policy.update(samples), repeats)
-    result = {"mode": mode, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
+    result = {"mode": mode, "tokens": tokens, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
               "old_s": old_s, "update_s": update_s, "mfu_update": metrics.get("perf/mfu_actor"),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
               "allocator_during_timing": {k: v - before[k] for k, v in allocator_counts().items()}}
     print(json.dumps(result), flush=True)
-    one = samples[:16384 // (PROMPT + RESPONSE)]  # one micro-batch of each pass, profiled
+    one = samples[:next((i for i in range(len(lengths)) if sum(lengths[:i + 1]) > 16384), len(samples))]
+    # one micro-batch of each pass (the first samples within 16,384 tokens), profiled
     policy.cfg.global_batch_size = len(one)
     result["profile_old_micro_batch"] = top_kernels(lambda: policy.compute_log_probs(one))
     result["profile_update_micro_batch"] = top_kernels(lambda: policy.update(one))
@@ -166,7 +197,7 @@ def run_mode(actor, mode, repeats):
 
 
 def main():
-    global SAMPLES, PROMPT, RESPONSE, STEPS
+    global SAMPLES, PROMPT, RESPONSE, STEPS, IMAGES, PROMPTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="fp32,bf16,fp32-fsdp")
     parser.add_argument("--actor-file", default=None, help="another actor.py to time instead of this one")
@@ -176,17 +207,22 @@ def main():
     parser.add_argument("--response", type=int, default=RESPONSE)
     parser.add_argument("--optimizer-steps", type=int, default=STEPS, help="mini-batches per update")
     parser.add_argument("--generate", action="store_true", help="first time a plain vLLM generate of the samples")
+    parser.add_argument("--images", default=None, metavar="SOURCE",
+                        help=f"the trainer's prompts of SOURCE (e.g. .toy/colors@train), images included, {N} "
+                             f"responses each, instead of random text-only prompts of --prompt tokens")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     SAMPLES, PROMPT, RESPONSE, STEPS = args.samples, args.prompt, args.response, args.optimizer_steps
     if not os.path.exists(os.path.join(MODEL, "config.json")):
         toy.build_vl_model(MODEL, toy.build_tokenizer(pad_to=151936), seed=0, shape="3b", device="cuda")
+    IMAGES = args.images
+    PROMPTS = image_prompts() if IMAGES else None
     actor = load_actor_module(args.actor_file)
     results = {"gpu": torch.cuda.get_device_name(), "actor": args.actor_file or "actor.py", "modes": [],
-               "samples": SAMPLES, "prompt": PROMPT, "response": RESPONSE}
+               "samples": SAMPLES, "prompt": PROMPT, "response": RESPONSE, "images": IMAGES}
     if args.generate:
         results["generate_s"] = bare_generate(args.repeats)
-        results["generate_new_tokens_per_s"] = SAMPLES * RESPONSE / results["generate_s"]
+        results["generate_new_tokens_per_s"] = len(make_samples()) * RESPONSE / results["generate_s"]
         print(json.dumps(results), flush=True)
     for mode in args.modes.split(","):
         if mode.startswith("fp32-fsdp") and not torch.distributed.is_initialized():

@@ -8,8 +8,9 @@
 # Then prints seconds per step and the per-stage timings (median over the steps after the first) of each, with
 # perf/throughput (prompt + response tokens / step seconds / GPUs, EasyR1's tokens/s/GPU), perf/mfu_actor and the
 # peak device memory of each phase (perf/peak_device_memory_gb/*). COMPONENTS=1 then times the bare parts of the
-# 3B step on the same shapes and the same one-GPU path (benchmarks/actor_paths.py --generate: vLLM generate,
-# log-prob pass, update; fp32 master weights under autocast, compiled layers; COMPONENT_MODES=... adds others).
+# 3B step on the same prompts (the first BATCH of the colours task, images included, 5 responses of 512 tokens
+# each) and the same one-GPU path (benchmarks/actor_paths.py --images --generate: vLLM generate, log-prob pass,
+# update; fp32 master weights under autocast, compiled layers; COMPONENT_MODES=... adds others).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
 #   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B/7B-sized run
@@ -45,7 +46,7 @@ done
 
 if [[ ${COMPONENTS:-0} == 1 ]]; then
 BENCH_MODEL=$MODELS/qwen25vl-3b python benchmarks/actor_paths.py --modes ${COMPONENT_MODES:-fp32+compile} \
-    --samples $((BATCH * 5)) --prompt 340 --response 512 --optimizer-steps 2 --generate --repeats 1 \
+    --samples $((BATCH * 5)) --images .toy/colors@train --response 512 --optimizer-steps 2 --generate --repeats 1 \
     --out $OUT/components.json
 fi
 
