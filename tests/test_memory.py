@@ -1,6 +1,7 @@
 """Memory modes of actor.py: the bf16 AdamW that loses no small update (optim.strategy=adamw_bf16), on plain
 tensors and on FSDP2 shards; offload of parameters and optimizer state between phases (worker.actor.offload.*),
-a logged no-op on the CPU, moved for real on a GPU (skipped without CUDA)."""
+a logged no-op on the CPU (the mechanism forced on over two gloo ranks), moved for real on a GPU (skipped without
+CUDA)."""
 
 import logging
 import math
@@ -215,6 +216,78 @@ def _where(actor):
     place = lambda t: "host" if t.is_cuda and t.untyped_storage().nbytes() == 0 else t.device.type  # noqa: E731
     return ({place(t) for t in params}, {place(t) for t in state},
             sum(t.numel() * t.element_size() for t in params + state))
+
+
+def _freed(actor):
+    """(every parameter shard's storage freed, every optimizer state tensor's storage freed): offloaded."""
+    params = [modeling._local(p) for p in actor.module.parameters()]
+    state = [modeling._local(v) for s in actor.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return (all(t.untyped_storage().nbytes() == 0 for t in params),
+            bool(state) and all(t.untyped_storage().nbytes() == 0 for t in state))
+
+
+def _offload_cpu_main(rank, world, store, model_path, lora, out_path):
+    """One of two gloo ranks of an FSDP2 actor on the CPU with the offload mechanism forced on (on a CPU it is
+    off: there is no device memory to free): the same HostCopy of DTensor shards and reshard as on GPUs."""
+    import torch.distributed as dist
+    from test_actor_update import make_cfg
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        samples = text_samples(n=4 * world)[rank::world]
+        results = {}
+        for offload in (True, False):
+            cfg = make_cfg(model_path, **{"global_batch_size": 2 * world, "micro_batch_size_per_device_for_update": 2,
+                                          "model.lora.rank": 8 if lora else 0})
+            torch.manual_seed(0)
+            actor = actor_module.Actor(cfg, role="actor", device="cpu", max_prompt_length=16, max_response_length=8,
+                                       n_per_prompt=2)
+            actor.offload_params = actor.offload_optimizer = offload
+            actor.offload()
+            phases = []
+            for _ in range(2):
+                for s, lp in zip(samples, actor.compute_log_probs(samples)):
+                    s["old_logprobs"] = lp
+                actor.update(samples)
+                phases.append(_freed(actor))
+            actor.onload(optimizer=True)
+            phases.append(_freed(actor))
+            actor.offload()
+            phases.append(_freed(actor))
+            results[offload] = (phases, {n: t.clone() for n, t in actor.named_tensors()}, _freed(actor))
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+    leave_rank()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_offload_of_fsdp2_shards_on_two_ranks_trains_as_without(toy, tmp_path, lora):
+    """Two gloo ranks, FSDP2, the offload mechanism forced on: after every update the parameter shards and the
+    optimizer state have no storage (they are in the host copy), onload(optimizer=True) brings both back, offload()
+    frees them again, named_tensors() leaves them offloaded, and the weights after two steps equal those of the
+    same steps without offload exactly (the copies move bytes, nothing else)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_offload_cpu_main, args=(r, 2, str(tmp_path / "store"), toy["text_model"], lora,
+                                                         str(tmp_path / "out.pt"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 240
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    assert [p.exitcode for p in procs] == [0, 0], f"rank exit codes {[p.exitcode for p in procs]}"
+    results = torch.load(tmp_path / "out.pt", weights_only=False)
+    phases, weights, after_stream = results[True]
+    assert phases == [(True, True), (True, True), (False, False), (True, True)], phases
+    assert after_stream == (True, True)
+    assert results[False][0] == [(False, False)] * 4  # without offload nothing is ever freed
+    assert weights.keys() == results[False][1].keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, results[False][1][name]), name
 
 
 def _offload_main(rank, world, port, model_path, lora, out_path):
