@@ -1,8 +1,10 @@
-"""Shared fixtures: the offline toy world, built once per test session under .toy/ (cached); leave_rank for the
-spawned processes of the multi-rank tests."""
+"""Shared fixtures: the offline toy world, built once per test session under .toy/ (cached); run_ranks and
+leave_rank for the spawned processes of the multi-rank tests."""
 
+import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 
@@ -31,3 +33,20 @@ def leave_rank():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_ranks(target, args, timeout):
+    """Start one spawned process per tuple in `args` (target(*args[r])), wait up to `timeout` seconds in all, kill
+    what still runs; -> the exit codes (0 for a rank that ended with leave_rank)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a) for a in args]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+    return [p.exitcode for p in procs]

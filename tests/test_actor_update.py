@@ -2,12 +2,10 @@
 gradient from micro-batching and from the number of ranks, the non-finite-gradient skip, and that every
 trainable parameter learns. Samples are built by hand from the toy processor."""
 
-import copy
 import math
 import os
 import socket
 import sys
-import time
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import actor as actor_module  # noqa: E402
 from config import ActorConfig  # noqa: E402
-from conftest import leave_rank  # noqa: E402
+from conftest import leave_rank, run_ranks  # noqa: E402
 
 MAX_PROMPT, MAX_RESPONSE = 64, 8
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # fp32 sums in another order
@@ -245,24 +243,11 @@ def _rank_main(rank, world, port, model_path, samples_path, out_path):
 def test_two_gloo_ranks_match_one_process(toy, samples, tmp_path):
     """2 ranks x 2 micro-batches of 1 sample vs 1 process x 1 micro-batch of 4: the same gradient and the
     same weights after the step, for each loss_avg_mode (FSDP2 shards, world-size scaling, global counts)."""
-    import multiprocessing
-
     torch.save([dict(s) for s in samples], tmp_path / "samples.pt")
-    ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, toy["vl_model"], str(tmp_path / "samples.pt"),
-                                                   str(tmp_path / "out.pt"))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + 300
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.time()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.terminate()
-        p.join(5)
-    assert not alive, "the 2-rank update did not finish within 300 s (a collective hung?)"
-    assert [p.exitcode for p in procs] == [0, 0], f"rank exit codes {[p.exitcode for p in procs]}"
+    codes = run_ranks(_rank_main, [(r, 2, port, toy["vl_model"], str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"))
+                                   for r in range(2)], timeout=300)
+    assert codes == [0, 0], f"rank exit codes {codes} (-15: still running after 300 s and killed; a collective hung?)"
     distributed = torch.load(tmp_path / "out.pt", weights_only=False)
     for mode in ("token", "seq", "seq_sum_norm"):
         grad, params, metrics = one_step(toy["vl_model"], samples, loss_avg_mode=mode)

@@ -5,11 +5,9 @@ CUDA)."""
 
 import logging
 import math
-import multiprocessing
 import os
 import socket
 import sys
-import time
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import actor as actor_module  # noqa: E402
 import modeling  # noqa: E402
-from conftest import leave_rank  # noqa: E402
+from conftest import leave_rank, run_ranks  # noqa: E402
 
 STEPS, LR, SCALE, SHAPE = 200, 1e-6, 0.02, (256, 256)
 
@@ -118,18 +116,9 @@ def _train(model, opt):
 
 
 def test_adamw_bf16_on_fsdp2_shards_matches_one_process(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_sharded_adamw_main, args=(r, str(tmp_path / "store"), str(tmp_path / "out.pt")))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + 120
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.time()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    assert [p.exitcode for p in procs] == [0, 0], f"rank exit codes {[p.exitcode for p in procs]}"
+    codes = run_ranks(_sharded_adamw_main, [(r, str(tmp_path / "store"), str(tmp_path / "out.pt")) for r in range(2)],
+                      timeout=120)
+    assert codes == [0, 0], f"rank exit codes {codes}"
     full, comp = torch.load(tmp_path / "out.pt")
     model = _tiny_model()
     opt = modeling.AdamWBF16(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -268,18 +257,9 @@ def test_offload_of_fsdp2_shards_on_two_ranks_trains_as_without(toy, tmp_path, l
     optimizer state have no storage (they are in the host copy), onload(optimizer=True) brings both back, offload()
     frees them again, named_tensors() leaves them offloaded, and the weights after two steps equal those of the
     same steps without offload exactly (the copies move bytes, nothing else)."""
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_offload_cpu_main, args=(r, 2, str(tmp_path / "store"), toy["text_model"], lora,
-                                                         str(tmp_path / "out.pt"))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + 240
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.time()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    assert [p.exitcode for p in procs] == [0, 0], f"rank exit codes {[p.exitcode for p in procs]}"
+    codes = run_ranks(_offload_cpu_main, [(r, 2, str(tmp_path / "store"), toy["text_model"], lora,
+                                           str(tmp_path / "out.pt")) for r in range(2)], timeout=240)
+    assert codes == [0, 0], f"rank exit codes {codes}"
     results = torch.load(tmp_path / "out.pt", weights_only=False)
     phases, weights, after_stream = results[True]
     assert phases == [(True, True), (True, True), (False, False), (True, True)], phases
@@ -342,14 +322,9 @@ def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_offload_main, args=(r, world, port, toy["text_model"], lora, str(tmp_path / "out.pt")))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0] * world, f"rank exit codes {[p.exitcode for p in procs]}"
+    codes = run_ranks(_offload_main, [(r, world, port, toy["text_model"], lora, str(tmp_path / "out.pt"))
+                                      for r in range(world)], timeout=300)
+    assert codes == [0] * world, f"rank exit codes {codes}"
     results = torch.load(tmp_path / "out.pt", weights_only=False)
     memory = dict((phase, (where, allocated)) for phase, where, allocated in results[True][0])
     for phase in ("init", "log_probs", "update", "offload"):
