@@ -2,7 +2,8 @@
 
     processor, tokenizer = load_processor(tokenizer_path, cfg.data)
     train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path, batch_size=512, shuffle=True,
-                         drop_last=True)   # val: batch_size=-1 (all rows), shuffle=False, drop_last=False
+                         drop_last=True, prefetch=True)   # the next batch is built in a background thread
+                                     # val: batch_size=-1 (all rows), shuffle=False, drop_last=False
     batch = next(train)              # a list of prompt dicts; never ends, epochs follow seamlessly
     train.current_epoch, train.batches_per_epoch     # epochs completed (the next batch's epoch); batches in one
     for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
@@ -38,7 +39,9 @@ working directory, then from this file's folder.
 """
 
 import bisect
+import concurrent.futures
 import contextlib
+import copy
 import io
 import itertools
 import logging
@@ -46,6 +49,7 @@ import math
 import multiprocessing
 import os
 import re
+import threading
 
 import datasets
 import jinja2
@@ -84,14 +88,18 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
 
 
 class PromptLoader:
-    """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for.
+    """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for, or,
+    with `prefetch`, in a background thread while the previous batch trains (as EasyR1's DataLoader workers do;
+    the loader then keeps its own copy of the processor, so no other thread shares its tokenizer).
     The rows are loaded and checked at start-up (load_rows, check_rows). Epoch e visits the kept rows in the
     order torch.randperm(n, generator seeded seed * 1_000_003 + e) (in file order without shuffle), cut into
     batches of `batch_size` (-1 = all rows in one batch); drop_last drops the short tail. The position is
     (current_epoch, batch): state_dict() saves it and load_state_dict() restores it, so a resumed loader yields
     exactly the batches an uninterrupted one would."""
 
-    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
+    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False,
+                 prefetch=False):
+        processor = copy.deepcopy(processor) if prefetch else processor
         self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
         self.rows = load_rows(files, cfg)
         self.indices = check_rows(self.rows, self.builder, cfg.filter_overlong_prompts_workers, cfg.skip_bad_rows)
@@ -101,6 +109,8 @@ class PromptLoader:
         self.current_epoch, self.batch = 0, 0  # the position of the next batch
         if self.batches_per_epoch == 0:
             raise DataError(f"{files}: {len(self.indices)} rows, fewer than one batch of {batch_size}")
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "prefetch") if prefetch else None
+        self.pending, self.lock = None, threading.Lock()  # pending: ((epoch, batch), future of that batch)
 
     @property
     def batches_per_epoch(self):
@@ -110,10 +120,15 @@ class PromptLoader:
         return self
 
     def __next__(self):
-        batch = self._make_batch(self.current_epoch, self.batch)
+        position, (built, future) = (self.current_epoch, self.batch), self.pending or (None, None)
+        self.pending = None
+        batch = future.result() if built == position else self._make_batch(*position)  # a build's error raises here
         self.batch += 1
         if self.batch == self.batches_per_epoch:
             self.current_epoch, self.batch = self.current_epoch + 1, 0
+        if self.pool is not None:  # the next batch, built while this one trains
+            position = (self.current_epoch, self.batch)
+            self.pending = (position, self.pool.submit(self._make_batch, *position))
         return batch
 
     def epoch(self):
@@ -130,15 +145,16 @@ class PromptLoader:
             if state[key] != now[key]:
                 raise ValueError(f"{self.rows.name}: the loader state was saved with {key}={state[key]}, now it is "
                                  f"{now[key]}; resuming continues the same order only with the same data and config")
-        self.current_epoch, self.batch = state["epoch"], state["batch"]
+        self.current_epoch, self.batch = state["epoch"], state["batch"]  # a prefetched batch of elsewhere is unused
 
     def _make_batch(self, epoch, b):
         order = self.indices
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = [self.indices[k] for k in torch.randperm(len(order), generator=generator).tolist()]
-        return [{**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"}
-                for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+        with self.lock:  # one build at a time: the background thread's and a caller's (epoch(), a resumed loader)
+            return [{**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"}
+                    for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):

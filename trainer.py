@@ -52,7 +52,8 @@ class Run:
                                                              trust_remote_code=remote)
         batch = d.mini_rollout_batch_size or d.rollout_batch_size  # prompts a generation round
         self.train_loader = data.PromptLoader(d.train_files, d, self.processor, model.model_path, batch_size=batch,
-                                              shuffle=d.shuffle, drop_last=True, trust_remote_code=remote)
+                                              shuffle=d.shuffle, drop_last=True, trust_remote_code=remote,
+                                              prefetch=True)  # the next batch is built while this one trains
         self.val_loader = data.PromptLoader(d.val_files, d, self.processor, model.model_path, shuffle=False,
                                             batch_size=d.val_batch_size, drop_last=False, trust_remote_code=remote)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)

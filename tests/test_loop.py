@@ -16,7 +16,8 @@ from config import ActorConfig, ConfigError, OptimConfig, load_config
 
 
 class FakeLoader:
-    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False):
+    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False,
+                 prefetch=False):
         self.rows = 2048 if "train" in files else 601
         self.batch_size, self.drop_last, self.trust_remote_code = batch_size, drop_last, trust_remote_code
         self.batches_per_epoch = self.rows // batch_size

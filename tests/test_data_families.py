@@ -1,0 +1,74 @@
+"""data.py on the other Qwen-VL families: Qwen2-VL and Qwen3-VL prompts (images, videos, text) equal their own
+processors' ids, their models' rope indices and forward passes (tiny random models built here)."""
+
+import os
+
+import pytest
+import torch
+
+from test_data import builder, clip, config, forward, png
+
+def tiny_family(family, path, toy):
+    """A tiny random Qwen2-VL or Qwen3-VL with the toy tokenizer, saved as a normal HF folder."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(toy["vl_model"])
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>", "<|endoftext|>", "<|im_end|>")}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=False)
+    template = open(os.path.join(toy["vl_model"], "chat_template.jinja")).read()
+    torch.manual_seed(0)
+    if family == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(text_config=text, vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2), **common)
+        model = tf.Qwen2VLForConditionalGeneration(cfg)
+        processor = tf.Qwen2VLProcessor(
+            image_processor=tf.Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12544),
+            video_processor=tf.Qwen2VLVideoProcessor(), tokenizer=tok, chat_template=template)
+    else:
+        text["rope_parameters"]["mrope_interleaved"] = True
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[1]),
+            **common)
+        model = tf.Qwen3VLForConditionalGeneration(cfg)
+        processor = tf.Qwen3VLProcessor(
+            image_processor=tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=4096, max_pixels=16384),
+            video_processor=tf.Qwen3VLVideoProcessor(), tokenizer=tok, chat_template=template)
+    model.float().save_pretrained(path)
+    processor.save_pretrained(path)
+    return model.eval(), processor
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_qwen2_vl_and_qwen3_vl_prompts_match_their_models(family, tmp_path, toy):
+    model, processor = tiny_family(family, str(tmp_path / family), toy)
+    family_builder = builder(str(tmp_path / family), config(min_pixels=4096, max_pixels=16384, max_prompt_length=1024))
+    row = {"problem": "<image>What is <image> 3 + 4?", "answer": "7",
+           "images": [png(64, 64), {"bytes": png(200, 90), "path": None}]}
+    text_row = {"problem": "What is 3 + 4?", "answer": "7"}
+    video_row = {"problem": "<video>Which colour, <image>?", "answer": "red", "images": [png(64, 64)],
+                 "videos": [clip(8, size=(64, 64), fps=4)]}
+    for prompt in (family_builder.build(row, 0, "r0"), family_builder.build(text_row, 1, "r1"),
+                   family_builder.build(video_row, 2, "r2")):
+        videos = {"videos": prompt["videos"], "video_metadata": prompt["video_metadata"],
+                  "do_sample_frames": False} if prompt["videos"] else {}
+        ref = processor(text=[prompt["prompt_text"]], images=prompt["images"] or None, return_tensors="pt", **videos)
+        assert prompt["prompt_ids"] == ref["input_ids"][0].tolist()
+        if family == "qwen3_vl" and videos:  # Qwen3-VL: a timestamp before each temporal patch (frames 0,2 / 5,7)
+            decoded = processor.decode(prompt["prompt_ids"])
+            assert "<0.2 seconds>" in decoded and "<1.5 seconds>" in decoded
+        rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
+                                             image_grid_thw=ref.get("image_grid_thw"),
+                                             video_grid_thw=ref.get("video_grid_thw"))
+        assert torch.equal(prompt["position_ids"][1:], rope[:, 0])
+        with torch.no_grad():
+            reference = model(**ref).logits[0]
+        torch.testing.assert_close(forward(model, prompt), reference, rtol=1e-5, atol=1e-5)
