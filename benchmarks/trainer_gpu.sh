@@ -10,7 +10,8 @@
 # peak device memory of each phase (perf/peak_device_memory_gb/*). COMPONENTS=1 then times the bare parts of the
 # 3B step on the same prompts (the first BATCH of the colours task, images included, 5 responses of 512 tokens
 # each) and the same one-GPU path (benchmarks/actor_paths.py --images --generate: vLLM generate, log-prob pass,
-# update; fp32 master weights under autocast, compiled layers; COMPONENT_MODES=... adds others).
+# update; fp32 master weights under autocast, compiled layers; COMPONENT_MODES=... adds others) and prints their
+# sum against the 3B step, the profiled kernel time by kind and the allocator's counters (all in components.json).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
 #   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B/7B-sized run
@@ -50,9 +51,10 @@ BENCH_MODEL=$MODELS/qwen25vl-3b python benchmarks/actor_paths.py --modes ${COMPO
     --out $OUT/components.json
 fi
 
-python - $(for r in $RUNS; do echo $OUT/$r; done) <<'PY'
-import json, statistics, sys
-for run in sys.argv[1:]:
+python - $OUT $(for r in $RUNS; do echo $OUT/$r; done) <<'PY'
+import json, os, statistics, sys
+step = None
+for run in sys.argv[2:]:
     rows = [json.loads(line) for line in open(f"{run}/experiment_log.jsonl")]
     rows = [r for r in rows if "timing_s/step" in r]
     later = rows[1:] or rows
@@ -60,4 +62,15 @@ for run in sys.argv[1:]:
     print(run, f"steps {len(rows)}; first step {rows[0]['timing_s/step']:.1f} s; median of steps 2..{len(rows)}:")
     for k in keys:
         print(f"  {k:36s} {statistics.median(r[k] for r in later if k in r):10.3f}")
+    step = statistics.median(r["timing_s/step"] for r in later) if run.endswith("/3b") else step
+if os.path.exists(f"{sys.argv[1]}/components.json"):  # COMPONENTS=1: the bare parts against the 3B step
+    c = json.load(open(f"{sys.argv[1]}/components.json"))
+    m = c["modes"][0]
+    bare = c["generate_s"] + m["old_s"] + m["update_s"]
+    print(f"bare parts ({m['mode']}, images {c['images']}): generate {c['generate_s']:.2f} s, log-probs "
+          f"{m['old_s']:.2f} s, update {m['update_s']:.2f} s (MFU {m['mfu_update']:.3f}) = {bare:.2f} s"
+          + (f"; the 3B step is {step / bare:.2f}x that" if step else ""))
+    for name in ("profile_old_micro_batch", "profile_update_micro_batch"):
+        print(f"  {name}: kernel ms by kind {m[name]['kernel_ms_by_kind']}")
+    print(f"  allocator while timed: {m['allocator_during_timing']}")
 PY
