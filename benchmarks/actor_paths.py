@@ -222,7 +222,8 @@ def main():
                "samples": SAMPLES, "prompt": PROMPT, "response": RESPONSE, "images": IMAGES}
     if args.generate:
         results["generate_s"] = bare_generate(args.repeats)
-        results["generate_new_tokens_per_s"] = len(make_samples()) * RESPONSE / results["generate_s"]
+        responses = len(PROMPTS) * N if IMAGES else SAMPLES
+        results["generate_new_tokens_per_s"] = responses * RESPONSE / results["generate_s"]
         print(json.dumps(results), flush=True)
     for mode in args.modes.split(","):
         if mode.startswith("fp32-fsdp") and not torch.distributed.is_initialized():
