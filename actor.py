@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 # Everything here works on flat, padding-free per-token tensors `[tokens]` holding response tokens
 # only, with `cu_seqlens [n_seq + 1]` (0, len_0, len_0 + len_1, ..., tokens) marking the sequences.
 # An empty sequence (len 0) is allowed: it has no tokens, its sequence mean counts as 0.
+# cu_seqlens may stay on the CPU while the values are on the GPU: the checks then read it without a host sync.
 
 POLICY_LOSS_TYPES = ("default", "gspo", "gspo_token", "cispo", "sapo")
 CLIP_TYPES = ("default", "gspo", "gspo_token")  # the types with a hard PPO clip and dual clip
@@ -196,8 +197,9 @@ def kl_penalty(logp, ref_logp, kind="low_var_kl"):
 
 def _per_sequence_mean(values, cu_seqlens, broadcast=True):
     """Mean of `values [tokens]` over each sequence: `[n_seq]`, or `[tokens]` broadcast back if asked."""
-    lengths = cu_seqlens.diff().to(values.device)  # [n_seq]
-    seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)  # [tokens]
+    lengths = cu_seqlens.diff().to(values.device, non_blocking=True)  # [n_seq]
+    seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths,
+                                      output_size=values.numel())  # [tokens]; output_size: no host sync
     sums = values.new_zeros(lengths.numel()).index_add(0, seq_ids, values)
     means = sums / lengths.clamp(min=1).to(values.dtype)  # [n_seq]; 0 for an empty sequence
     return means[seq_ids] if broadcast else means
@@ -301,7 +303,7 @@ class Actor:
         and new log-probs come from identical kernels; the reference packs the list under the experience budget."""
         kind = "update" if self.role == "actor" else "experience"
         chunk = self._mini_batch_size() if self.role == "actor" else max(1, len(samples))
-        logps, entropies = [None] * len(samples), [None] * len(samples)
+        done = []  # (indices, response lengths, [1 or 2, N]: logp, entropy) per micro-batch, left on the device
         adapters = self.module.disable_adapter() if disable_adapter and self.lora_rank else contextlib.nullcontext()
         modalities = self._modalities(samples)
         self.onload()
@@ -311,11 +313,14 @@ class Actor:
                     idx = [mini[j] for j in part]
                     batch = self._pack(samples, idx)
                     logp, ent = self._forward(batch, with_entropy, modalities)
-                    logp = logp.float().cpu().split(batch["resp_lens"])
-                    ent = ent.float().cpu().split(batch["resp_lens"]) if with_entropy else [None] * len(logp)
-                    for i, lp, en in zip(idx, logp, ent):
-                        logps[i], entropies[i] = lp, en
+                    if idx:  # not a dummy micro-batch
+                        done.append((idx, batch["resp_lens"], torch.stack([logp, ent] if with_entropy else [logp])))
         self.offload()
+        logps, entropies = [None] * len(samples), [None] * len(samples)
+        if done:  # one copy to the host for the whole pass: no host sync between micro-batches
+            values = torch.cat([d[2] for d in done], 1).float().cpu().split([n for d in done for n in d[1]], 1)
+            for i, v in zip([i for d in done for i in d[0]], values):  # clones: a view would carry (and
+                logps[i], entropies[i] = v[0].clone(), (v[1].clone() if with_entropy else None)  # pickle) all
         return (logps, entropies) if with_entropy else logps
 
     def update(self, samples):
@@ -539,8 +544,9 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        batch["mm"] = {k: v.to(self.device) for k, v in batch["mm"].items()}
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch["mm"] = {k: self._to_device(v) for k, v in batch["mm"].items()}
+        return {k: self._to_device(v) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v  # the loss's checks
+                for k, v in batch.items()}                                                 # read it on the host
 
     def _per_token(self, samples, idx, key, n_tokens):
         """samples[i][key] for i in idx as one fp32 tensor [N] on the device (zeros for a dummy micro-batch, N =
@@ -557,7 +563,12 @@ class Actor:
             if value.numel() != n:
                 raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} response tokens")
             parts.append(value)
-        return torch.cat(parts).to(self.device)
+        return self._to_device(torch.cat(parts))
+
+    def _to_device(self, t):
+        """A host tensor to the device without a host sync: through pinned memory, copied asynchronously (a plain
+        .to() waits for the GPU, so the host could not queue the next micro-batch while the GPU runs this one)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _modalities(self, samples):
         """Vision calls every micro-batch makes: ("image",) or ("image", "video") if any rank has videos."""

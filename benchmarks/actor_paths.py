@@ -16,7 +16,8 @@ For each: Actor.compute_log_probs and Actor.update, median of 3 after a warm-up 
 prompt tokens per second, the update's perf/mfu_actor, torch's peak allocated memory, the caching allocator's
 retries and cudaMalloc / cudaFree calls while timed, and the top CUDA kernels of one log-prob micro-batch and
 one update micro-batch (torch.profiler), with their kernel time summed by kind (GEMM, attention, Triton-fused,
-copies and casts, the rest), the profiled span's idle GPU time and the host ops with the most CPU time.
+copies and casts, the rest), the profiled span's idle GPU time, the host ops with the most CPU time and the host
+op the GPU waited on in each idle gap.
 `--actor-file` times another copy of actor.py (for a before/after comparison). `--samples/--prompt/--response`
 change the shape; `--images SOURCE` takes the trainer's own prompts instead (data.py, images included, 5
 responses each: the vision tower runs in every pass and in vLLM); `--generate` first times a plain vLLM generate
@@ -41,7 +42,7 @@ from config import RolloutConfig  # noqa: E402
 from test_actor import actor_config  # noqa: E402
 
 MODEL = os.environ.get("BENCH_MODEL", "/tmp/bench_qwen25vl_3b")
-PROMPT, RESPONSE, SAMPLES, STEPS = 330, 512, 40, 1  # changed by the command line
+PROMPT, RESPONSE, SAMPLES, STEPS, MICRO = 330, 512, 40, 1, 16384  # changed by the command line
 IMAGES, N, PROMPTS = None, 5, None  # --images: the trainer's prompts of that source, N responses each
 
 
@@ -106,32 +107,97 @@ KINDS = {"attention": ("flash", "fmha", "attention", "attn"),  # before gemm: fl
 
 
 def top_kernels(fn, rows=8):
-    """The `rows` longest CUDA kernels of one call of fn (name, ms, share), then kernel ms summed by kind (KINDS,
-    first match by name; the rest "other"), the profiled span's wall ms, the share of it no kernel ran, and the
-    `rows` host-side ops with the most self CPU time (name, calls, ms): where the host spends the idle gaps."""
+    """The `rows` longest CUDA kernels of one call of fn after a warm-up call (name, ms, share), then kernel ms
+    summed by kind (KINDS, first match by name; the rest "other"), the profiled span's wall ms, the share of it no
+    kernel ran, the `rows` host-side ops with the most self CPU time (name, calls, ms) and the idle gaps by host op
+    (idle_gaps). Only device activities count as kernel time: a host op's own device time repeats its kernels'."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    fn()  # warm-up: compilation and autotuning stay out of the profile
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3
-    averages = prof.key_averages()
     host = [(e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 1))
-            for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]]
-    events = [e for e in averages if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events) or 1
-    top = [(e.key[:80], round(e.self_device_time_total / 1e3, 1), round(e.self_device_time_total / total, 3))
-           for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:rows]]
-    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+            for e in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]]
+    events = prof.events()
+    by_name = {}
     for e in events:
-        name = e.key.lower()
-        kinds[next((k for k, words in KINDS.items() if any(w in name for w in words)), "other")] += \
-            e.self_device_time_total / 1e3
+        if e.device_type != DeviceType.CPU:
+            by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    total = sum(by_name.values()) or 1e-9
+    top = [(name[:80], round(ms, 1), round(ms / total, 3))
+           for name, ms in sorted(by_name.items(), key=lambda kv: kv[1], reverse=True)[:rows]]
+    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+    for name, ms in by_name.items():
+        low = name.lower()
+        kinds[next((k for k, words in KINDS.items() if any(w in low for w in words)), "other")] += ms
     return {"top": top, "kernel_ms_by_kind": {k: round(v, 1) for k, v in kinds.items()},
-            "kernel_ms": round(total / 1e3, 1), "wall_ms": round(wall_ms, 1),
-            "idle_share": round(max(0.0, 1 - total / 1e3 / wall_ms), 3), "top_host_ops": host}
+            "kernel_ms": round(total, 1), "wall_ms": round(wall_ms, 1),
+            "idle_share": round(max(0.0, 1 - total / wall_ms), 3), "top_host_ops": host,
+            "idle_gaps": idle_gaps(events, rows)}
+
+
+def idle_gaps(events, rows=8, min_us=50):
+    """The GPU's idle gaps of at least min_us between device activities (kernels, copies), with what the host was
+    doing when each gap began: the gaps' count and ms, then the ms summed per (outermost, innermost) host op
+    open at that moment on any thread (the innermost op is what the GPU waited on: a sync, a launch, Python)."""
+    import heapq
+
+    from torch.autograd import DeviceType
+
+    busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type != DeviceType.CPU)
+    gaps, end = [], None
+    for start, stop in busy:
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    host = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type == DeviceType.CPU and not e.is_async)
+    by_op, open_ops, i = {}, [], 0
+    for start, stop in gaps:  # sweep: the host ops open at each gap's start
+        while i < len(host) and host[i][0] <= start:
+            heapq.heappush(open_ops, (host[i][1], host[i][0], host[i][2]))
+            i += 1
+        while open_ops and open_ops[0][0] < start:
+            heapq.heappop(open_ops)
+        ops = sorted((op_start, name) for _, op_start, name in open_ops)
+        key = f"{ops[0][1][:50]} > {ops[-1][1][:50]}" if ops else "(no host op)"
+        by_op[key] = by_op.get(key, 0.0) + (stop - start) / 1e3
+    top = sorted(by_op.items(), key=lambda kv: kv[1], reverse=True)[:rows]
+    return {"count": len(gaps), "ms": round(sum(b - a for a, b in gaps) / 1e3, 1),
+            "by_host_op": [(k, round(v, 1)) for k, v in top]}
+
+
+def sync_points(fn, rows=12):
+    """Where one call of fn (after a warm-up call) makes the host wait for the GPU: each synchronizing call that
+    torch.cuda.set_sync_debug_mode("warn") reports (item(), tolist(), nonzero, a copy to the host), keyed by its
+    three innermost frames outside torch, with counts. A sync in the backward is reported at backward()."""
+    import traceback
+    import warnings
+
+    fn()
+    counts = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings" not in f.filename]
+        where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+        counts[where] = counts.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sorted(counts.items(), key=lambda kv: kv[1], reverse=True)[:rows]
 
 
 def allocator_counts():
@@ -166,7 +232,7 @@ def bare_generate(repeats):
 
 def run_mode(actor, mode, repeats):
     weights = "bf16" if mode.startswith("bf16") else "fp32"
-    cfg = actor_config(MODEL, max_tokens_per_micro_batch=16384, compute_entropy=False, global_batch_size=SAMPLES // STEPS,
+    cfg = actor_config(MODEL, max_tokens_per_micro_batch=MICRO, compute_entropy=False, global_batch_size=SAMPLES // STEPS,
                        use_torch_compile="+compile" in mode,
                        **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": "bf16", "fsdp.mp_reduce_dtype": "fp32",
                           "model.enable_gradient_checkpointing": "+nockpt" not in mode, "optim.lr": 1e-6})
@@ -186,18 +252,20 @@ def run_mode(actor, mode, repeats):
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
               "allocator_during_timing": {k: v - before[k] for k, v in allocator_counts().items()}}
     print(json.dumps(result), flush=True)
-    one = samples[:next((i for i in range(len(lengths)) if sum(lengths[:i + 1]) > 16384), len(samples))]
-    # one micro-batch of each pass (the first samples within 16,384 tokens), profiled
+    one = samples[:next((i for i in range(len(lengths)) if sum(lengths[:i + 1]) > MICRO), len(samples))]
+    # one micro-batch of each pass (the first samples within the budget), profiled; then their host syncs
     policy.cfg.global_batch_size = len(one)
     result["profile_old_micro_batch"] = top_kernels(lambda: policy.compute_log_probs(one))
     result["profile_update_micro_batch"] = top_kernels(lambda: policy.update(one))
+    result["sync_points_old"] = sync_points(lambda: policy.compute_log_probs(one))
+    result["sync_points_update"] = sync_points(lambda: policy.update(one))
     del policy
     torch.cuda.empty_cache()
     return result
 
 
 def main():
-    global SAMPLES, PROMPT, RESPONSE, STEPS, IMAGES, PROMPTS
+    global SAMPLES, PROMPT, RESPONSE, STEPS, MICRO, IMAGES, PROMPTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="fp32,bf16,fp32-fsdp")
     parser.add_argument("--actor-file", default=None, help="another actor.py to time instead of this one")
@@ -205,6 +273,7 @@ def main():
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--prompt", type=int, default=PROMPT)
     parser.add_argument("--response", type=int, default=RESPONSE)
+    parser.add_argument("--micro-tokens", type=int, default=MICRO, help="worker.actor.max_tokens_per_micro_batch")
     parser.add_argument("--optimizer-steps", type=int, default=STEPS, help="mini-batches per update")
     parser.add_argument("--generate", action="store_true", help="first time a plain vLLM generate of the samples")
     parser.add_argument("--images", default=None, metavar="SOURCE",
@@ -213,6 +282,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     SAMPLES, PROMPT, RESPONSE, STEPS = args.samples, args.prompt, args.response, args.optimizer_steps
+    MICRO = args.micro_tokens
     if not os.path.exists(os.path.join(MODEL, "config.json")):
         toy.build_vl_model(MODEL, toy.build_tokenizer(pad_to=151936), seed=0, shape="3b", device="cuda")
     IMAGES = args.images

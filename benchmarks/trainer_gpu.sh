@@ -11,7 +11,8 @@
 # 3B step on the same prompts (the first BATCH of the colours task, images included, 5 responses of 512 tokens
 # each) and the same one-GPU path (benchmarks/actor_paths.py --images --generate: vLLM generate, log-prob pass,
 # update; fp32 master weights under autocast, compiled layers; COMPONENT_MODES=... adds others) and prints their
-# sum against the 3B step, the profiled kernel time by kind and the allocator's counters (all in components.json).
+# sum against the 3B step, the profiled kernel time by kind, the GPU's idle gaps by host op and the allocator's
+# counters (all in components.json).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
 #   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B/7B-sized run
@@ -22,6 +23,7 @@ MODELS=${MODELS:-$OUT}      # where the random-init 3B/7B-sized models are built
 STEPS=${STEPS:-6}
 GPUS=${GPUS:-1}
 BATCH=${BATCH:-64}
+MICRO=${MICRO:-16384}      # worker.actor.max_tokens_per_micro_batch of the 3B/7B-sized run (and COMPONENTS)
 RUNS=${RUNS:-"toy 3b"}     # RUNS=3b: only the 3B-sized run; RUNS=7b: the 7B-sized one
 GPU="trainer.device=cuda trainer.n_gpus_per_node=$GPUS worker.rollout.name=vllm worker.rollout.dtype=bf16
      worker.actor.fsdp.torch_dtype=null worker.actor.fsdp.mp_param_dtype=bf16 worker.ref.fsdp.mp_param_dtype=bf16
@@ -37,7 +39,7 @@ if [[ " $RUNS " == *" $SIZE "* ]]; then
 [ -f $MODELS/qwen25vl-$SIZE/config.json ] || python toy.py --vl-$SIZE $MODELS/qwen25vl-$SIZE
 python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS trainer.save_checkpoint_path=$OUT/$SIZE \
     worker.actor.model.model_path=$MODELS/qwen25vl-$SIZE worker.actor.model.enable_gradient_checkpointing=true \
-    worker.actor.optim.lr=1e-6 worker.actor.optim.weight_decay=0.01 worker.actor.max_tokens_per_micro_batch=16384 \
+    worker.actor.optim.lr=1e-6 worker.actor.optim.weight_decay=0.01 worker.actor.max_tokens_per_micro_batch=$MICRO \
     data.min_pixels=262144 data.max_pixels=262144 data.max_prompt_length=512 data.max_response_length=512 \
     data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
     worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
@@ -48,6 +50,7 @@ done
 if [[ ${COMPONENTS:-0} == 1 ]]; then
 BENCH_MODEL=$MODELS/qwen25vl-3b python benchmarks/actor_paths.py --modes ${COMPONENT_MODES:-fp32+compile} \
     --samples $((BATCH * 5)) --images .toy/colors@train --response 512 --optimizer-steps 2 --generate --repeats 1 \
+    --micro-tokens $MICRO \
     --out $OUT/components.json
 fi
 
@@ -71,6 +74,8 @@ if os.path.exists(f"{sys.argv[1]}/components.json"):  # COMPONENTS=1: the bare p
           f"{m['old_s']:.2f} s, update {m['update_s']:.2f} s (MFU {m['mfu_update']:.3f}) = {bare:.2f} s"
           + (f"; the 3B step is {step / bare:.2f}x that" if step else ""))
     for name in ("profile_old_micro_batch", "profile_update_micro_batch"):
-        print(f"  {name}: kernel ms by kind {m[name]['kernel_ms_by_kind']}")
+        print(f"  {name}: kernel ms by kind {m[name]['kernel_ms_by_kind']}, wall {m[name]['wall_ms']} ms")
+        print(f"    GPU idle gaps by host op (outermost > innermost): {m[name]['idle_gaps']}")
     print(f"  allocator while timed: {m['allocator_during_timing']}")
+    print(f"  host syncs of one micro-batch, log-probs: {m['sync_points_old']}; update: {m['sync_points_update']}")
 PY
