@@ -303,7 +303,7 @@ class Actor:
         and new log-probs come from identical kernels; the reference packs the list under the experience budget."""
         kind = "update" if self.role == "actor" else "experience"
         chunk = self._mini_batch_size() if self.role == "actor" else max(1, len(samples))
-        done = []  # (indices, response lengths, [1 or 2, N]: logp, entropy) per micro-batch, left on the device
+        done = []  # (indices, response lengths, logp [N], entropy [N] or None) per micro-batch, still on the device
         adapters = self.module.disable_adapter() if disable_adapter and self.lora_rank else contextlib.nullcontext()
         modalities = self._modalities(samples)
         self.onload()
@@ -314,13 +314,14 @@ class Actor:
                     batch = self._pack(samples, idx)
                     logp, ent = self._forward(batch, with_entropy, modalities)
                     if idx:  # not a dummy micro-batch
-                        done.append((idx, batch["resp_lens"], torch.stack([logp, ent] if with_entropy else [logp])))
+                        done.append((idx, batch["resp_lens"], logp, ent if with_entropy else None))
         self.offload()
         logps, entropies = [None] * len(samples), [None] * len(samples)
-        if done:  # one copy to the host for the whole pass: no host sync between micro-batches
-            values = torch.cat([d[2] for d in done], 1).float().cpu().split([n for d in done for n in d[1]], 1)
-            for i, v in zip([i for d in done for i in d[0]], values):  # clones: a view would carry (and
-                logps[i], entropies[i] = v[0].clone(), (v[1].clone() if with_entropy else None)  # pickle) all
+        for idx, lengths, logp, ent in done:  # to the host after the pass: no wait for the GPU between micro-batches
+            logp = logp.float().cpu().split(lengths)
+            ent = ent.float().cpu().split(lengths) if with_entropy else [None] * len(idx)
+            for i, lp, en in zip(idx, logp, ent):
+                logps[i], entropies[i] = lp, en
         return (logps, entropies) if with_entropy else logps
 
     def update(self, samples):
