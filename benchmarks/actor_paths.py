@@ -172,10 +172,11 @@ def idle_gaps(events, rows=8, min_us=50):
             "by_host_op": [(k, round(v, 1)) for k, v in top]}
 
 
-def sync_points(fn, rows=12):
-    """Where one call of fn (after a warm-up call) makes the host wait for the GPU: each synchronizing call that
-    torch.cuda.set_sync_debug_mode("warn") reports (item(), tolist(), nonzero, a copy to the host), keyed by its
-    three innermost frames outside torch, with counts. A sync in the backward is reported at backward()."""
+def sync_points(fn, rows=20):
+    """Where one call of fn (after a warm-up call) makes the host wait for the GPU: the count of synchronizing calls
+    that torch.cuda.set_sync_debug_mode("warn") reports (item(), tolist(), nonzero, a blocking copy), then the `rows`
+    most frequent call sites, keyed by their three innermost frames outside torch, with counts. A sync in the
+    backward is reported at backward()."""
     import traceback
     import warnings
 
@@ -197,7 +198,7 @@ def sync_points(fn, rows=12):
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sorted(counts.items(), key=lambda kv: kv[1], reverse=True)[:rows]
+    return {"count": sum(counts.values()), "where": sorted(counts.items(), key=lambda kv: kv[1], reverse=True)[:rows]}
 
 
 def allocator_counts():
