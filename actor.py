@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
                       HostCopy, full_tensor, micro_batches_needed, pack_samples, partition_balanced,
-                      peak_tflops, shared_image_units)
+                      peak_tflops, shared_image_units, to_device)
 
 logger = logging.getLogger(__name__)
 
@@ -545,9 +545,10 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        batch["mm"] = {k: self._to_device(v) for k, v in batch["mm"].items()}
-        return {k: self._to_device(v) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v  # the loss's checks
-                for k, v in batch.items()}                                                 # read it on the host
+        batch["host_grids"] = {k: v for k, v in batch["mm"].items() if k.endswith("grid_thw")}  # vision_indices
+        batch["mm"] = {k: to_device(v, self.device) for k, v in batch["mm"].items()}
+        return {k: to_device(v, self.device) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v  # the loss's
+                for k, v in batch.items()}                                                     # checks read it here
 
     def _per_token(self, samples, idx, key, n_tokens):
         """samples[i][key] for i in idx as one fp32 tensor [N] on the device (zeros for a dummy micro-batch, N =
@@ -564,12 +565,7 @@ class Actor:
             if value.numel() != n:
                 raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} response tokens")
             parts.append(value)
-        return self._to_device(torch.cat(parts))
-
-    def _to_device(self, t):
-        """A host tensor to the device without a host sync: through pinned memory, copied asynchronously (a plain
-        .to() waits for the GPU, so the host could not queue the next micro-batch while the GPU runs this one)."""
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return to_device(torch.cat(parts), self.device)
 
     def _modalities(self, samples):
         """Vision calls every micro-batch makes: ("image",) or ("image", "video") if any rank has videos."""

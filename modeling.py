@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import checkpoint
+from transformers import vision_utils
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +291,8 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
     """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
     (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities`, the same
-    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows."""
+    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows. Each call gets
+    the tower's index tensors from batch["host_grids"] (host copies of the *_grid_thw tensors; vision_indices)."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
@@ -301,13 +303,38 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
             real = pixels in batch["mm"]
             device = batch["input_ids"].device
             x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else (t.to(device) for t in dummy_vision[:2])
-            out = getattr(body, method)(x, thw, return_dict=True)
+            host_thw = batch["host_grids"][grid] if real else dummy_vision[1]
+            out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(vision_tower(hf), host_thw, device))
             order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
             encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
         kwargs["mm_encoder_outputs"] = encoded
     hidden = body(**kwargs).last_hidden_state[0]  # [T, H]
     return response_log_probs(hidden.index_select(0, batch["resp_index"]), hf.get_output_embeddings(),
                               batch["labels"], temperature, with_entropy)
+
+
+def vision_indices(tower, grid_thw, device):
+    """The index tensors a Qwen-VL vision tower derives from grid_thw [n, 3] (positions, sequence boundaries;
+    Qwen2.5-VL's windows, Qwen3-VL's position-embedding interpolation), computed by transformers' own helpers from
+    the host copy and handed to the tower, which takes them from its keyword arguments. From the device copy the
+    tower computes them itself, with ~14 host syncs a call: each waits for the GPU to finish all queued work."""
+    merge, cu = tower.spatial_merge_size, vision_utils.get_vision_cu_seqlens(grid_thw)
+    out = {"position_ids": vision_utils.get_vision_position_ids(grid_thw, merge), "cu_seqlens": cu,
+           "max_seqlen": int(cu.diff().max())}
+    if getattr(tower, "window_size", None):  # Qwen2.5-VL: most blocks attend within windows
+        index, cu_window = vision_utils.get_vision_window_index(grid_thw, merge, tower.window_size, tower.patch_size)
+        out.update(window_index=index, cu_window_seqlens=cu_window, max_window_seqlen=int(cu_window.diff().max()))
+    if hasattr(tower, "num_grid_per_side"):  # Qwen3-VL: interpolated absolute position embeddings
+        out["interp_indices"], out["interp_weights"] = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid_thw, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+    return {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in out.items()}
+
+
+def to_device(t, device):
+    """A host tensor to `device` without a host sync: through pinned memory, copied asynchronously on CUDA (a plain
+    .to() waits for the GPU, so the host could not queue the next micro-batch while the GPU runs this one)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False, chunk=HEAD_CHUNK):

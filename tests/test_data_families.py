@@ -72,3 +72,31 @@ def test_qwen2_vl_and_qwen3_vl_prompts_match_their_models(family, tmp_path, toy)
         with torch.no_grad():
             reference = model(**ref).logits[0]
         torch.testing.assert_close(forward(model, prompt), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_indices_from_the_host_grid_give_the_towers_own_output(family, tmp_path, toy):
+    """modeling.vision_indices (the tower's positions, boundaries, windows and interpolation computed from the host
+    grid_thw, so the GPU is not waited on) gives exactly the tower's own output, and the tower uses them: reversed
+    positions change it."""
+    import transformers as tf
+
+    import modeling
+
+    if family == "qwen2_5_vl":
+        model = tf.Qwen2_5_VLForConditionalGeneration.from_pretrained(toy["vl_model"]).eval()
+    else:
+        model, _ = tiny_family(family, str(tmp_path / family), toy)
+    tower, cpu = modeling.vision_tower(model), torch.device("cpu")
+    grid = torch.tensor([[1, 8, 12], [2, 16, 8]])  # two entries of different sizes, one of two frames
+    torch.manual_seed(0)
+    pixels = torch.randn(int(grid.prod(-1).sum()), tower.patch_embed.proj.weight[0].numel())
+    wrong = modeling.vision_indices(tower, grid, cpu)
+    wrong["position_ids"] = wrong["position_ids"].flip(0)
+    with torch.no_grad():
+        own, given, moved = (model.model.get_image_features(pixels, grid, return_dict=True, **kw)
+                             for kw in ({}, modeling.vision_indices(tower, grid, cpu), wrong))
+    assert torch.equal(torch.cat(own.pooler_output), torch.cat(given.pooler_output))
+    for a, b in zip(getattr(own, "deepstack_features", None) or [], getattr(given, "deepstack_features", None) or []):
+        assert torch.equal(torch.cat(a), torch.cat(b))  # Qwen3-VL's per-layer features
+    assert not torch.allclose(torch.cat(own.pooler_output), torch.cat(moved.pooler_output))
