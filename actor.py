@@ -540,13 +540,13 @@ class Actor:
         return [sorted(i for u in part for i in units[u]) for part in partition_balanced(unit_lengths, k)]
 
     def _pack(self, samples, idx):
-        """Pack samples[idx] (a dummy one-token sample when idx is empty) and move the tensors to the device."""
+        """Pack samples[idx] (a dummy one-token sample when idx is empty) and move its tensors to the device."""
         chosen = [samples[i] for i in idx] or [{"prompt_ids": [self.pad_id], "response_ids": [self.pad_id]}]
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        batch["host_grids"] = {k: v for k, v in batch["mm"].items() if k.endswith("grid_thw")}  # vision_indices
-        batch["mm"] = {k: to_device(v, self.device) for k, v in batch["mm"].items()}
+        batch["mm"] = {k: v if k.endswith("grid_thw") else to_device(v, self.device)  # grids stay on the host:
+                       for k, v in batch["mm"].items()}                                # modeling.vision_indices
         return {k: to_device(v, self.device) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v  # the loss's
                 for k, v in batch.items()}                                                     # checks read it here
 

@@ -291,8 +291,8 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
     """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
     (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities`, the same
-    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows. Each call gets
-    the tower's index tensors from batch["host_grids"] (host copies of the *_grid_thw tensors; vision_indices)."""
+    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows. The *_grid_thw
+    tensors stay on the host: the tower gets its index tensors from them (vision_indices), without a host sync."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
@@ -302,9 +302,8 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
             method, pixels, grid = VISION_CALLS[modality]
             real = pixels in batch["mm"]
             device = batch["input_ids"].device
-            x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else (t.to(device) for t in dummy_vision[:2])
-            host_thw = batch["host_grids"][grid] if real else dummy_vision[1]
-            out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(vision_tower(hf), host_thw, device))
+            x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else (dummy_vision[0].to(device), dummy_vision[1])
+            out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(vision_tower(hf), thw, device))
             order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
             encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
         kwargs["mm_encoder_outputs"] = encoded
@@ -316,8 +315,9 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
 def vision_indices(tower, grid_thw, device):
     """The index tensors a Qwen-VL vision tower derives from grid_thw [n, 3] (positions, sequence boundaries;
     Qwen2.5-VL's windows, Qwen3-VL's position-embedding interpolation), computed by transformers' own helpers from
-    the host copy and handed to the tower, which takes them from its keyword arguments. From the device copy the
-    tower computes them itself, with ~14 host syncs a call: each waits for the GPU to finish all queued work."""
+    the host grid_thw and handed to the tower, which takes them from its keyword arguments and then reads grid_thw
+    only for the split sizes of its output (transformers 5.18-5.24). From a device grid_thw the tower computes them
+    itself, with ~15 host syncs a call: each waits for the GPU to finish all queued work."""
     merge, cu = tower.spatial_merge_size, vision_utils.get_vision_cu_seqlens(grid_thw)
     out = {"position_ids": vision_utils.get_vision_position_ids(grid_thw, merge), "cu_seqlens": cu,
            "max_seqlen": int(cu.diff().max())}
