@@ -43,9 +43,9 @@ def actor_config(model_path, **overrides):
     return cfg
 
 
-def make_actor(model_path, **overrides):
+def make_actor(model_path, device="cpu", **overrides):
     return actor.Actor(actor_config(model_path, **overrides), temperature=TEMPERATURE, max_prompt_length=64,
-                       max_response_length=8, n_per_prompt=1, training_steps=10)
+                       max_response_length=8, n_per_prompt=1, training_steps=10, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,6 +263,19 @@ def test_packed_log_probs_and_grads_equal_per_sequence_vl_mixed(vl):
     expected = {n: p.grad for n, p in vl.model.named_parameters() if p.grad is not None}
     assert any(".visual." in n for n in expected)  # the vision tower is in the comparison
     assert_grads_close(full_grads(a), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_vl_pass_on_the_gpu_equals_the_cpu(vl):
+    """The GPU path (pinned asynchronous copies, grid_thw kept on the host, modeling.vision_indices) gives the CPU's
+    log-probs (fp32 both) and finite gradients through the vision tower."""
+    samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, (112, 56), 3, 2), vl_sample(vl, None, 6, 3)]
+    on_gpu = make_actor(vl.path, device="cuda")
+    for got, expected in zip(on_gpu.compute_log_probs(samples), make_actor(vl.path).compute_log_probs(samples)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+    packed_backward(on_gpu, samples, token_weights(samples))
+    grads = full_grads(on_gpu)
+    assert any(".visual." in n for n in grads) and all(g.isfinite().all() for g in grads.values())
 
 
 def test_packed_log_probs_and_grads_equal_per_sequence_vl_videos(vl):
