@@ -302,7 +302,8 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
             method, pixels, grid = VISION_CALLS[modality]
             real = pixels in batch["mm"]
             device = batch["input_ids"].device
-            x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else (dummy_vision[0].to(device), dummy_vision[1])
+            x, thw = ((batch["mm"][pixels], batch["mm"][grid]) if real
+                      else (to_device(dummy_vision[0], device), dummy_vision[1]))  # grid_thw on the host
             out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(vision_tower(hf), thw, device))
             order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
             encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
@@ -334,7 +335,9 @@ def vision_indices(tower, grid_thw, device):
 def to_device(t, device):
     """A host tensor to `device` without a host sync: through pinned memory, copied asynchronously on CUDA (a plain
     .to() waits for the GPU, so the host could not queue the next micro-batch while the GPU runs this one)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False, chunk=HEAD_CHUNK):
