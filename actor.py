@@ -545,10 +545,11 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        batch["mm"] = {k: v if k.endswith("grid_thw") else to_device(v, self.device)  # grids stay on the host:
-                       for k, v in batch["mm"].items()}                                # modeling.vision_indices
-        return {k: to_device(v, self.device) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v  # the loss's
-                for k, v in batch.items()}                                                     # checks read it here
+        # These stay on the host, where they are read without waiting for the GPU: the grids by
+        # modeling.vision_indices, the response boundaries by the loss's checks.
+        host = ("image_grid_thw", "video_grid_thw", "resp_cu_seqlens")
+        batch["mm"] = {k: v if k in host else to_device(v, self.device) for k, v in batch["mm"].items()}
+        return {k: to_device(v, self.device) if torch.is_tensor(v) and k not in host else v for k, v in batch.items()}
 
     def _per_token(self, samples, idx, key, n_tokens):
         """samples[i][key] for i in idx as one fp32 tensor [N] on the device (zeros for a dummy micro-batch, N =

@@ -304,7 +304,7 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
             device = batch["input_ids"].device
             x, thw = ((batch["mm"][pixels], batch["mm"][grid]) if real
                       else (to_device(dummy_vision[0], device), dummy_vision[1]))  # grid_thw on the host
-            out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(vision_tower(hf), thw, device))
+            out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(body.visual, thw, device))
             order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
             encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
         kwargs["mm_encoder_outputs"] = encoded
@@ -318,7 +318,7 @@ def vision_indices(tower, grid_thw, device):
     Qwen2.5-VL's windows, Qwen3-VL's position-embedding interpolation), computed by transformers' own helpers from
     the host grid_thw and handed to the tower, which takes them from its keyword arguments and then reads grid_thw
     only for the split sizes of its output (transformers 5.18-5.24). From a device grid_thw the tower computes them
-    itself, with ~15 host syncs a call: each waits for the GPU to finish all queued work."""
+    itself, with about 14 host syncs a call: each waits for the GPU to finish all queued work."""
     merge, cu = tower.spatial_merge_size, vision_utils.get_vision_cu_seqlens(grid_thw)
     out = {"position_ids": vision_utils.get_vision_position_ids(grid_thw, merge), "cu_seqlens": cu,
            "max_seqlen": int(cu.diff().max())}

@@ -173,14 +173,13 @@ def idle_gaps(events, rows=8, min_us=50):
 
 
 def sync_points(fn, rows=20):
-    """Where one call of fn (after a warm-up call) makes the host wait for the GPU: the count of synchronizing calls
-    that torch.cuda.set_sync_debug_mode("warn") reports (item(), tolist(), nonzero, a blocking copy), then the `rows`
+    """Where one call of fn (already warm: top_kernels ran it) makes the host wait for the GPU: the count of syncs
+    torch.cuda.set_sync_debug_mode("warn") reports (item(), tolist(), nonzero, a blocking copy), then the `rows`
     most frequent call sites, keyed by their three innermost frames outside torch, with counts. A sync in the
     backward is reported at backward()."""
     import traceback
     import warnings
 
-    fn()
     counts = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
