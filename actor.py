@@ -263,7 +263,7 @@ class Actor:
         self.video_token_id = getattr(self.hf_config, "video_token_id", None)
         self.pad_id = getattr(text, "pad_token_id", None) or 0
         self.flops_params = count_flops_params(self.hf, text)
-        self.dummy_vision = dummy_vision_input(self.hf) if self.is_vl else None
+        self.dummy_vision = dummy_vision_input(self.hf, self.device) if self.is_vl else None
         self.autocast = not self.sharded and self.compute_dtype != master
 
         # 2. Offloading: offload.* parameters / optimizer state wait on the CPU between the passes that need them.
@@ -472,10 +472,12 @@ class Actor:
     # --- The pieces of the passes ----------------------------------------------------------------------------------
 
     def _forward(self, batch, with_entropy, modalities):
-        """One packed micro-batch -> (logp [N], entropy [N] or [0]) of its response tokens."""
+        """One packed micro-batch -> (logp [N], entropy [N] or [0]) of its response tokens. resp_cu_seqlens, which
+        stays on the host for the loss's checks, is left out: FSDP2's root would copy it to the device, blocking."""
+        inputs = {k: v for k, v in batch.items() if k != "resp_cu_seqlens"}
         amp = torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast else contextlib.nullcontext()
         with amp:
-            return self.hf.packed_forward(batch, self.temperature, with_entropy, modalities, self.dummy_vision)
+            return self.hf.packed_forward(inputs, self.temperature, with_entropy, modalities, self.dummy_vision)
 
     def _optimizer_step(self):
         """Clip the global gradient norm to max_grad_norm (torch's clip_grad_norm_ reduces FSDP2's sharded DTensor
@@ -545,11 +547,12 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        # These stay on the host, where they are read without waiting for the GPU: the grids by
-        # modeling.vision_indices, the response boundaries by the loss's checks.
-        host = ("image_grid_thw", "video_grid_thw", "resp_cu_seqlens")
-        batch["mm"] = {k: v if k in host else to_device(v, self.device) for k, v in batch["mm"].items()}
-        return {k: to_device(v, self.device) if torch.is_tensor(v) and k not in host else v for k, v in batch.items()}
+        # The grids stay on the host as lists, where modeling.vision_indices reads them without waiting for the
+        # GPU (a host tensor would be moved to the device, with a blocking copy, by FSDP2's root before the forward).
+        batch["mm"] = {k: v.tolist() if k.endswith("grid_thw") else to_device(v, self.device)
+                       for k, v in batch["mm"].items()}
+        return {k: to_device(v, self.device) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v
+                for k, v in batch.items()}
 
     def _per_token(self, samples, idx, key, n_tokens):
         """samples[i][key] for i in idx as one fp32 tensor [N] on the device (zeros for a dummy micro-batch, N =

@@ -158,10 +158,11 @@ def vision_tower(hf):
     return tower
 
 
-def dummy_vision_input(hf):
-    """(pixel rows [16, dim], grid_thw [[1, 4, 4]], spatial merge size): the smallest valid image for the tower."""
+def dummy_vision_input(hf, device):
+    """(pixel rows [16, dim] on `device`, grid_thw [[1, 4, 4]] as a list, spatial merge size): the smallest valid
+    image for the tower, in the form packed_forward takes it without a host sync."""
     dim = vision_tower(hf).patch_embed.proj.weight[0].numel()  # channels x temporal patch x patch x patch
-    return torch.zeros(16, dim), torch.tensor([[1, 4, 4]]), hf.config.vision_config.spatial_merge_size
+    return torch.zeros(16, dim, device=device), [[1, 4, 4]], hf.config.vision_config.spatial_merge_size
 
 
 # --- Packing and balancing -----------------------------------------------------------------------------------------
@@ -291,8 +292,10 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
     """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
     (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities`, the same
-    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows. The *_grid_thw
-    tensors stay on the host: the tower gets its index tensors from them (vision_indices), without a host sync."""
+    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows.
+    No host sync: the *_grid_thw come as lists (or host tensors), and the tower gets its index tensors from them
+    (vision_indices). Every tensor in the arguments should already be on the device: FSDP2's root moves the rest
+    there with a blocking copy, before this runs."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
@@ -302,8 +305,8 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
             method, pixels, grid = VISION_CALLS[modality]
             real = pixels in batch["mm"]
             device = batch["input_ids"].device
-            x, thw = ((batch["mm"][pixels], batch["mm"][grid]) if real
-                      else (to_device(dummy_vision[0], device), dummy_vision[1]))  # grid_thw on the host
+            x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else dummy_vision[:2]
+            thw = torch.as_tensor(thw)  # [n, 3] on the host
             out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(body.visual, thw, device))
             order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
             encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)

@@ -183,6 +183,8 @@ def sync_points(fn, rows=20):
     counts = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # another warning
+            return
         frames = [f for f in traceback.extract_stack()[:-1]
                   if "/torch/" not in f.filename and "warnings" not in f.filename]
         where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])

@@ -139,7 +139,7 @@ def packed_backward(a, samples, weights):
     for part in a._plan(samples, "update"):
         batch = a._pack(samples, part)
         logp, _ = a._forward(batch, False, modalities)
-        w = torch.cat([weights[i] for i in part]) if part else torch.zeros_like(logp)
+        w = torch.cat([weights[i] for i in part]).to(logp.device) if part else torch.zeros_like(logp)
         ((logp * w).sum() * a.world).backward()
 
 
@@ -266,16 +266,43 @@ def test_packed_log_probs_and_grads_equal_per_sequence_vl_mixed(vl):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_packed_vl_pass_on_the_gpu_equals_the_cpu(vl):
-    """The GPU path (pinned asynchronous copies, grid_thw kept on the host, modeling.vision_indices) gives the CPU's
-    log-probs (fp32 both) and finite gradients through the vision tower."""
+def test_packed_vl_pass_on_the_gpu_equals_the_cpu(vl, tmp_path):
+    """The GPU path, FSDP2 on a one-rank group as the trainer runs it (pinned asynchronous copies, the grids on the
+    host, modeling.vision_indices), gives the CPU's log-probs (fp32 both) and finite gradients through the vision
+    tower; and its forward waits for the GPU (a host sync) only in transformers' own placeholder check, not while
+    packing, not in FSDP2's move of the inputs, not for the tower's index tensors."""
+    import torch.distributed as dist
+    import warnings
+
     samples = [vl_sample(vl, (56, 56), 5, 1), vl_sample(vl, (112, 56), 3, 2), vl_sample(vl, None, 6, 3)]
-    on_gpu = make_actor(vl.path, device="cuda")
-    for got, expected in zip(on_gpu.compute_log_probs(samples), make_actor(vl.path).compute_log_probs(samples)):
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
-    packed_backward(on_gpu, samples, token_weights(samples))
-    grads = full_grads(on_gpu)
-    assert any(".visual." in n for n in grads) and all(g.isfinite().all() for g in grads.values())
+    expected = make_actor(vl.path).compute_log_probs(samples)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", world_size=1, rank=0)
+    try:
+        on_gpu = make_actor(vl.path, device="cuda")
+        assert on_gpu.sharded
+        for got, want in zip(on_gpu.compute_log_probs(samples), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+        packed_backward(on_gpu, samples, token_weights(samples))
+        grads = full_grads(on_gpu)
+        assert any(".visual." in n for n in grads) and all(g.isfinite().all() for g in grads.values())
+
+        syncs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *args, **kw: syncs.append(
+                [f.name for f in traceback.extract_stack()] if "synchroniz" in str(message) else None)
+            modalities = on_gpu._modalities(samples)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.no_grad():
+                    on_gpu._forward(on_gpu._pack(samples, [0, 1, 2]), False, modalities)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        unexpected = [stack[-6:] for stack in syncs if stack and "get_placeholder_mask" not in stack]
+        assert not unexpected, f"host syncs in the packed forward: {unexpected}"
+    finally:
+        dist.destroy_process_group()
 
 
 def test_packed_log_probs_and_grads_equal_per_sequence_vl_videos(vl):
