@@ -443,7 +443,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
             kw["enable_gqa"] = True  # torch 2.11 took fewer KV heads without the flag
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
     _log_backend("block-diagonal mask + scaled_dot_product_attention")
-    seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff())  # [T]
+    seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff(),
+                                  output_size=q.shape[0])  # [T]; output_size: no host sync
     mask = seq[:, None] == seq[None, :]  # [T, T]
     if causal:
         mask = mask.tril()
