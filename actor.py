@@ -2,9 +2,8 @@
 
 A training step asks three passes of it, each on a list of sample dicts:
     compute_log_probs  log pi(y_t) of every response token (and its entropy): the old policy, or the reference
-    update             per mini-batch and epoch, per packed micro-batch: policy_loss -> aggregate_loss with the
-                       mini-batch's global counts (+ kl_coef x the aggregate of kl_penalty), backward; then one
-                       clipped optimizer step per mini-batch
+    update             per packed micro-batch: policy_loss -> aggregate_loss with the mini-batch's global counts
+                       (+ kl_coef x that of kl_penalty), backward; one clipped optimizer step per mini-batch and epoch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
 only torch and can be copied alone; the model plumbing (loading, FSDP2, LoRA, packing, the forward) is in modeling.py.
@@ -48,9 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 # --- The objective: per-token policy losses, their aggregation, the KL penalty -------------------------------------
-# Everything here works on flat, padding-free per-token tensors `[tokens]` holding response tokens
-# only, with `cu_seqlens [n_seq + 1]` (0, len_0, len_0 + len_1, ..., tokens) marking the sequences.
-# An empty sequence (len 0) is allowed: it has no tokens, its sequence mean counts as 0.
+# Everything here works on flat, padding-free tensors `[tokens]` of response tokens only, with `cu_seqlens [n_seq + 1]`
+# (0, len_0, len_0 + len_1, ..., tokens) marking the sequences; an empty sequence (len 0) has mean 0 but counts.
 # cu_seqlens may stay on the CPU while the values are on the GPU: the checks then read it without a host sync.
 
 POLICY_LOSS_TYPES = ("default", "gspo", "gspo_token", "cispo", "sapo")
@@ -64,9 +62,8 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
                 rollout_logp=None, tis_cap=None):
     """Per-token policy-gradient loss l_t (to be minimised) and per-token metrics.
 
-    Inputs are flat `[tokens]`: logp = log pi_theta(y_t) (requires grad), old_logp = log pi_old(y_t),
-    advantages A_t (the sequence's advantage broadcast to its tokens). sg() is stop-gradient;
-    eps_l, eps_h, c = clip_ratio_low / _high / _dual.
+    Inputs are flat `[tokens]`: logp = log pi_theta(y_t) (requires grad), old_logp = log pi_old(y_t), advantages
+    A_t (the sequence's, on each of its tokens). sg() is stop-gradient; eps_l, eps_h, c = clip_ratio_low/_high/_dual.
 
         delta_t = logp_t - old_logp_t
         r_t     = exp(clamp(log r_t, -20, 20)), log r_t = delta_t      (clamp: zero gradient outside)
@@ -75,8 +72,7 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
       default     l_t = max(-A r_t, -A clip(r_t));  if A < 0: l_t = min(l_t, -A c)   (dual clip, c > 1)
       gspo        log r_t = s_i = mean_{t in seq i} delta_t  (gradient flows through the mean), then as default
       gspo_token  log r_t = sg(s_i) + logp_t - sg(logp_t): the value of gspo, a per-token gradient, then as default
-      cispo       l_t = -A sg(clip(r_t)) logp_t   (REINFORCE with a clipped, detached IS weight: the gradient
-                                                   never vanishes at the clip)
+      cispo       l_t = -A sg(clip(r_t)) logp_t   (a clipped, detached IS weight: no zero gradient at the clip)
       sapo        l_t = -A (4 / tau) sigmoid(tau (r_t - 1)),  tau = tau_positive if A >= 0 else tau_negative
                                                   (a soft gate; clip_ratio_* unused)
 
@@ -132,8 +128,7 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
             raw_weight = torch.exp(torch.clamp(old_logp - rollout_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
             weight = torch.clamp(raw_weight, max=tis_cap)  # [tokens]
             loss = loss * weight
-            metrics["tis_weight"] = weight
-            metrics["tis_capfrac"] = (raw_weight > tis_cap).float()
+            metrics.update(tis_weight=weight, tis_capfrac=(raw_weight > tis_cap).float())
     return loss, metrics
 
 
@@ -142,25 +137,21 @@ def aggregate_loss(per_token_loss, cu_seqlens, mode="token", global_tokens=None,
     """Reduce a per-token loss `[tokens]` to a scalar. With l_it the loss of token t of sequence i:
 
         token         sum_i sum_t l_it / global_tokens                      (DAPO token mean; default)
-        seq           sum_i (1/|o_i|) sum_t l_it / global_seqs              (GRPO paper: mean of sequence means;
-                                                                             an empty o_i adds 0 but is counted)
-        seq_sum_norm  sum_i sum_t l_it / (global_seqs * seq_len_norm)       (Dr. GRPO; seq_len_norm is a
-                                                                             constant such as max_response_length)
+        seq           sum_i (1/|o_i|) sum_t l_it / global_seqs              (GRPO paper: mean of sequence means)
+        seq_sum_norm  sum_i sum_t l_it / (global_seqs * seq_len_norm)       (Dr. GRPO; a constant seq_len_norm)
 
-    global_tokens / global_seqs default to this call's counts. In training the caller passes the whole mini-batch's
-    (all micro-batches, all ranks) and multiplies each micro-batch's result by world_size (FSDP averages gradients
-    over ranks): the summed gradient is then exactly the formula's on the whole mini-batch, whatever the
-    micro-batch size and world size.
+    global_tokens / global_seqs default to this call's counts. Training passes the whole mini-batch's (all
+    micro-batches and ranks) and multiplies each micro-batch's result by world_size (FSDP averages gradients over
+    ranks): the summed gradient is the formula's on the whole mini-batch, whatever the micro-batch and world size.
     """
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"aggregate_loss: unknown mode {mode!r}; choose one of {AGGREGATION_MODES} "
                          "(worker.actor.loss_avg_mode)")
     _check_flat(cu_seqlens, per_token_loss=per_token_loss)
-    n_seqs = cu_seqlens.numel() - 1
     if mode == "token":
         denominator = per_token_loss.numel() if global_tokens is None else global_tokens
         return per_token_loss.sum() / denominator
-    denominator = n_seqs if global_seqs is None else global_seqs
+    denominator = cu_seqlens.numel() - 1 if global_seqs is None else global_seqs
     if mode == "seq":
         return _per_sequence_mean(per_token_loss, cu_seqlens, broadcast=False).sum() / denominator
     if seq_len_norm is None:  # seq_sum_norm
@@ -223,15 +214,13 @@ def _check_flat(cu_seqlens, **tensors):
 class Actor:
     """The policy (role="actor": trainable, optimizer) or the reference (role="ref": frozen, no optimizer).
 
-    cfg is the worker.actor section (the reference gets the same); temperature divides the logits of every log-prob
-    pass (the rollout's). max_prompt_length + max_response_length sizes the default micro-batch budget (_plan);
-    max_response_length is also Dr. GRPO's constant length. A mini-batch is global_batch_size x n_per_prompt
-    samples; the LR schedule lasts training_steps updates; use_kl_loss, kl_coef and kl_penalty (algorithm section)
-    add the KL loss term.
+    cfg is the worker.actor section (the reference's too); temperature (the rollout's) divides every pass's logits.
+    max_prompt_length + max_response_length size the default micro-batch budget (_plan), max_response_length is
+    Dr. GRPO's constant; a mini-batch is global_batch_size x n_per_prompt samples; the LR schedule lasts
+    training_steps updates; use_kl_loss, kl_coef and kl_penalty (algorithm section) add the KL loss term.
 
-    Weights: the actor keeps master weights in fsdp.torch_dtype (default fp32) and computes in fsdp.mp_param_dtype
-    (FSDP2 MixedPrecisionPolicy when sharded, autocast when not). The reference and LoRA's frozen base weights are
-    stored in the compute dtype (bf16, or fp32 on the CPU toy).
+    Weights: the actor keeps master weights in fsdp.torch_dtype and computes in fsdp.mp_param_dtype (FSDP2
+    MixedPrecisionPolicy when sharded, autocast when not); the reference and LoRA's frozen base store the latter.
     """
 
     def __init__(self, cfg, *, role="actor", temperature=1.0, device="cpu", max_prompt_length=None,
@@ -284,10 +273,9 @@ class Actor:
             groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
                       {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
             if o.strategy != "adamw_bf16" and master != torch.float32 and self.rank == 0:
-                logger.warning("actor: fsdp.torch_dtype=%s with optim.strategy=adamw rounds every step into the "
-                               "weights: steps below half their spacing (lr 1e-6 on weights of 0.02) are lost; "
-                               "use optim.strategy=adamw_bf16 (compensated) or torch_dtype=null (fp32)",
-                               cfg.fsdp.torch_dtype)
+                logger.warning("actor: fsdp.torch_dtype=%s with optim.strategy=adamw loses steps below half the "
+                               "weights' spacing (lr 1e-6 on weights of 0.02); use optim.strategy=adamw_bf16 "
+                               "(compensated) or torch_dtype=null (fp32)", cfg.fsdp.torch_dtype)
             self.optimizer = AdamWBF16(groups, lr=o.lr, betas=tuple(o.betas)) if o.strategy == "adamw_bf16" else \
                 torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=on_device or None)  # fused on the GPU
             self.lr_scheduler = lr_schedule(self.optimizer, o, training_steps)
@@ -325,13 +313,12 @@ class Actor:
         return (logps, entropies) if with_entropy else logps
 
     def update(self, samples):
-        """PPO-style update on this rank's samples (global_batch_size x n_per_prompt / world per mini-batch, each
-        micro-batch's loss aggregated with the mini-batch's global counts: see aggregate_loss). Returns metrics over
-        all ranks, the same on every rank except perf/*: actor/pg_loss and actor/kl_loss (mean over optimizer steps),
-        token means of actor/entropy (the true entropy), actor/ppo_kl, actor/pg_clipfrac_higher / _lower and the TIS
-        metrics of policy_loss, actor/grad_norm (mean of the finite norms before clipping), actor/lr (last step),
-        actor/skipped_steps, actor/tokens (response tokens per epoch); on CUDA perf/mfu_actor (this rank's counted
-        FLOPs / time / peak) and perf/max_memory_allocated_gb."""
+        """PPO-style update on this rank's samples, in mini-batches of global_batch_size x n_per_prompt / world.
+        Returns metrics over all ranks, the same on every rank except perf/*: actor/pg_loss and actor/kl_loss (mean
+        over optimizer steps); token means of actor/entropy (the true entropy), actor/ppo_kl, actor/pg_clipfrac_higher,
+        actor/pg_clipfrac_lower and the TIS metrics of policy_loss; actor/grad_norm (mean of the finite norms before
+        clipping), actor/lr (last step), actor/skipped_steps, actor/tokens (response tokens per epoch); on CUDA
+        perf/mfu_actor (this rank's counted FLOPs / time / peak) and perf/max_memory_allocated_gb."""
         if self.optimizer is None:
             raise RuntimeError("Actor.update: this is the reference (role='ref'); it has no optimizer")
         c = self.cfg
@@ -404,10 +391,9 @@ class Actor:
 
     @torch.no_grad()
     def named_tensors(self):
-        """Stream (name, full tensor) pairs of the HF model's state_dict(), one gathered at a time, on self.device in
+        """Stream (name, full tensor) pairs of the HF model's state_dict(), gathered one at a time onto self.device in
         the master dtype, for the rollout engine's load_weights (every rank iterates to the end: all-gathers). With
-        LoRA each adapted weight is yielded MERGED (W + scaling * B @ A) under its base name and the adapter tensors
-        are not: the engine sees a plain model. Offloaded parameters come back to the device for the stream."""
+        LoRA each adapted weight comes MERGED (W + scaling * B @ A) under its base name, without the adapter tensors."""
         self.onload()
         try:
             for name, tensor in self.hf.state_dict().items():
@@ -445,9 +431,8 @@ class Actor:
             dist.barrier()
 
     def load_checkpoint(self, path):
-        """Load what save_checkpoint wrote, on any world size. Every file is required (a save_model_only
-        checkpoint has no optim/ and cannot be resumed): a missing one raises FileNotFoundError, never a silent
-        fresh optimizer, LR schedule or RNG."""
+        """Load what save_checkpoint wrote, on any world size. A missing file (a save_model_only checkpoint has no
+        optim/) raises FileNotFoundError: never a silent fresh optimizer, LR schedule or RNG."""
         needed = ["model", "extra_state.pt"] + (["optim"] if self.optimizer is not None else [])
         missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
         if missing:
@@ -480,9 +465,8 @@ class Actor:
             return self.hf.packed_forward(inputs, self.temperature, with_entropy, modalities, self.dummy_vision)
 
     def _optimizer_step(self):
-        """Clip the global gradient norm to max_grad_norm (torch's clip_grad_norm_ reduces FSDP2's sharded DTensor
-        gradients over the ranks) and step, unless the norm is not finite (then skip; counted in
-        actor/skipped_steps); -> the norm before clipping."""
+        """Clip the global gradient norm to max_grad_norm (clip_grad_norm_ reduces FSDP2's DTensor gradients over the
+        ranks) and step, unless the norm is not finite (skipped: actor/skipped_steps); -> the norm before clipping."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or math.inf)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
@@ -496,8 +480,7 @@ class Actor:
         return norm
 
     def onload(self, optimizer=False):
-        """Parameters (offload.offload_params) and, with `optimizer`, optimizer state (offload.offload_optimizer) back
-        on the device for a pass. A no-op for what is not offloaded. The passes call it themselves."""
+        """Offloaded parameters and, with `optimizer`, optimizer state back on the device; the passes call it."""
         if self.offload_params:
             self.host_params.onload()
         if optimizer and self.offload_optimizer:
@@ -518,14 +501,12 @@ class Actor:
             torch.cuda.empty_cache()
 
     def _plan(self, samples, kind):
-        """Micro-batches of a mini-batch for the `kind` ("update" / "experience") pass: lists of indices,
-        balanced by tokens under the token budget (dynamic batching; else micro_batch_size_per_device_for_<kind>
-        samples each), the same count on every rank (an empty list is a dummy micro-batch). Dynamic batching keeps
-        the samples that share images (a prompt's responses) together where the budget allows: encoded once."""
+        """Micro-batches of a mini-batch for the `kind` ("update" / "experience") pass, as many on every rank (an empty
+        list is a dummy): index lists balanced by tokens under the token budget, samples sharing images kept together
+        where it allows (dynamic batching), else micro_batch_size_per_device_for_<kind> samples each."""
         size = getattr(self.cfg, f"micro_batch_size_per_device_for_{kind}")
         if not self.cfg.dynamic_batching:
-            k = max(1, int(self._all_ranks([math.ceil(len(samples) / size)], "max")[0]))
-            return [list(range(i * size, min((i + 1) * size, len(samples)))) for i in range(k)]
+            return self._chunks(len(samples), size) or [[]]
         budget = self.cfg.max_tokens_per_micro_batch
         if not budget:
             if self.max_prompt_length is None or self.max_response_length is None:

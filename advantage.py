@@ -1,7 +1,6 @@
 """advantage.py: advantages from scalar rewards, group ids (the prompt's uid) and, for REINFORCE++, tokens.
 
-    adv = compute_advantages("grpo", scores, uids)          # scores [N] float, uids list of N group ids
-    adv = compute_advantages("grpo", scores, uids, norm_by_std=False)            # Dr. GRPO
+    adv = compute_advantages("grpo", scores, uids)
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
     adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
@@ -64,8 +63,7 @@ def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
         G_{i,t} = sum_{s >= t} r_{i,s}                              returns (gamma = 1)
         A_{i,t} = (G_{i,t} - mean(G)) / sqrt(var(G) + eps)          mean, unbiased var over all sum_i L_i tokens
 
-    scores [N]: raw rewards (no KL folded in); lengths [N]: response lengths in tokens; token_kl: N tensors [L_i]
-    or None (no KL in the reward). A long response weighs in the statistics by its number of tokens.
+    scores [N]: raw, no KL folded in; token_kl: N tensors [L_i] or None. Long responses weigh more in mean(G), var(G).
     """
     rewards = token_rewards(scores, lengths, token_kl, kl_coef)            # N x [L_i] f64
     returns = torch.cat([r.flip(0).cumsum(0).flip(0) for r in rewards])   # [T]
@@ -93,8 +91,7 @@ def remax(scores, uids, baselines):
     b = group_stats(baselines, uids, allow_singletons=True, what="baseline")
     if not b.flat.all():
         uid = b.names[torch.nonzero(~b.flat)[0].item()]
-        raise ValueError(f"remax: the baselines of group uid={uid!r} differ; every response of a prompt "
-                         f"must carry the same greedy-response reward")
+        raise ValueError(f"remax: the baselines of group uid={uid!r} differ; a prompt has one greedy-response reward")
     return (x - b.x).float()
 
 
@@ -117,8 +114,7 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
         raise ValueError(f"baselines are only used by remax, not by {name}")
     if name in TOKEN_LEVEL:
         if lengths is None and token_kl is None:
-            raise ValueError(f"{name} computes one advantage per token: pass lengths (response lengths in "
-                             f"tokens) or token_kl")
+            raise ValueError(f"{name} computes one advantage per token: pass lengths (in tokens) or token_kl")
         lengths = [len(k) for k in token_kl] if lengths is None else [int(n) for n in lengths]
         return ESTIMATORS[name](as_scores(scores, uids), lengths, token_kl, kl_coef, **opts)
     if token_kl is not None:

@@ -3,16 +3,15 @@
     cfg = load_config("configs/geo3k.yaml", ["worker.rollout.n=8", "trainer.logger=[console,wandb]"])
     cfg.worker.actor.optim.lr                      # 1e-06: plain dataclasses, one per section
 
-Defaults are EasyR1's `examples/config.yaml` (configs/geo3k.yaml documents every key). load_config merges defaults
-<- YAML file <- `a.b.c=value` overrides with OmegaConf, as EasyR1: each value must fit its key's type (`n=2.5`
-fails, `lr=1e-5` is a float; a Literal lists the values allowed), `a,b` sets a list key, a dict key given whole is
-replaced, not merged; an unknown key names the closest valid one. check_config checks values against each other,
-trainer.check_choices those each stage lists in its own table (estimators, loss types, dtypes, engines, loggers).
+Defaults are EasyR1's `examples/config.yaml`; configs/geo3k.yaml documents every key. load_config merges defaults
+<- YAML file <- `a.b.c=value` overrides with OmegaConf, as EasyR1: a value must fit its key's type (`n=2.5` fails),
+`a,b` sets a list key, a dict key given whole is replaced, and an unknown key names the closest valid one.
+check_config checks values against each other; trainer.check_choices those each stage lists in its own table.
 """
 
 import dataclasses
 import difflib
-import functools
+import operator
 import os
 import typing
 from dataclasses import dataclass, field
@@ -258,12 +257,12 @@ def load_config(path=None, overrides=()):
 def check_config(cfg):
     """Checks of values against each other, before any model is loaded."""
     a, r, d, t = cfg.worker.actor, cfg.worker.rollout, cfg.data, cfg.trainer
-    get = functools.partial(OmegaConf.select, OmegaConf.structured(cfg))  # get("worker.rollout.n")
     for key in ("data.rollout_batch_size", "data.mini_rollout_batch_size", "worker.actor.global_batch_size",
                 "worker.actor.ppo_epochs", "worker.rollout.n", "trainer.total_epochs", "trainer.max_steps",
                 "trainer.nnodes", "trainer.n_gpus_per_node"):
-        if get(key) is not None and get(key) < 1:
-            raise ConfigError(f"{key}={get(key)} must be at least 1")
+        value = operator.attrgetter(key)(cfg)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
     if a.clip_ratio_dual <= 1.0:
@@ -272,10 +271,9 @@ def check_config(cfg):
         raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
                           f"worker.actor.global_batch_size={a.global_batch_size}")
     world = t.nnodes * t.n_gpus_per_node  # one worker per GPU (per process on the CPU)
-    tp = r.tensor_parallel_size if r.name == "vllm" else 1
-    if world % tp:
-        raise ConfigError(f"worker.rollout.tensor_parallel_size={tp} must divide the {world} workers "
-                          f"(trainer.nnodes x trainer.n_gpus_per_node)")
+    if r.name == "vllm" and world % r.tensor_parallel_size:
+        raise ConfigError(f"worker.rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} "
+                          f"workers (trainer.nnodes x trainer.n_gpus_per_node)")
     for name, count in (("data.rollout_batch_size x worker.rollout.n", d.rollout_batch_size * r.n),
                         ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
         if count % world:
@@ -291,10 +289,6 @@ def check_config(cfg):
         raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
     if not a.padding_free:
         raise ConfigError("worker.actor.padding_free=false is not supported: the actor always packs sequences")
-
-
-def config_to_dict(cfg):
-    return dataclasses.asdict(cfg)
 
 
 def _merge(cfg, layer, source, replace_dicts):
@@ -324,11 +318,9 @@ def _merge(cfg, layer, source, replace_dicts):
 
 def _config_file(path):
     """`path` as given if it exists, else the file of that name in configs/ (`geo3k.yaml`, or `geo3k`)."""
-    if os.path.isfile(path):
-        return path
-    for name in (path, path + ".yaml"):
-        if os.sep not in name and os.path.isfile(os.path.join(CONFIGS, name)):
-            return os.path.join(CONFIGS, name)
+    for candidate in (path, os.path.join(CONFIGS, path), os.path.join(CONFIGS, path + ".yaml")):
+        if os.path.isfile(candidate):
+            return candidate
     shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".yaml"))
     raise ConfigError(f"no config file {path!r} (nor in {CONFIGS}: {', '.join(shipped)})")
 
@@ -342,3 +334,4 @@ def _leaves(cls, prefix=""):
 
 
 KEYS = dict(_leaves(Config))  # every dotted key and its type: "worker.rollout.n" -> int
+config_to_dict = dataclasses.asdict  # a Config as nested dicts, for printing and logging

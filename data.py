@@ -2,11 +2,9 @@
 
     processor, tokenizer = load_processor(tokenizer_path, cfg.data)
     train = PromptLoader(cfg.data.train_files, cfg.data, processor, model_path, batch_size=512, shuffle=True,
-                         drop_last=True, prefetch=True)   # the next batch is built in a background thread
-                                     # val: batch_size=-1 (all rows), shuffle=False, drop_last=False
-    batch = next(train)              # a list of prompt dicts; never ends, epochs follow seamlessly
-    train.current_epoch, train.batches_per_epoch     # epochs completed (the next batch's epoch); batches in one
-    for batch in val.epoch(): ...    # one whole epoch in order, without moving the position (validation)
+                         drop_last=True, prefetch=True)
+    batch = next(train)              # a list of prompt dicts, forever; train.current_epoch, train.batches_per_epoch
+    for batch in val.epoch(): ...    # one whole epoch in order, the position unmoved (validation)
     state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
 
 Pieces, usable alone: load_rows, check_rows, PromptBuilder (.build -> prompt, .measure -> length),
@@ -20,8 +18,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
     prompt_text         str         the chat-templated prompt text (unexpanded)
     images              list[PIL.Image]  the resized RGB images, in order ([] for text-only rows)
     videos              list[ndarray]    each video's sampled, resized frames, uint8 [T, H, W, 3], in order
-    video_metadata      list[dict]  per video: fps (the source's), duration, total_num_frames, frames_indices,
-                                    video_backend (Qwen3-VL's timestamps, Qwen2.5-VL's seconds per patch)
+    video_metadata      list[dict]  per video: the source's fps, duration, total_num_frames, frames_indices,
+                                    video_backend (for Qwen3-VL's timestamps, Qwen2.5-VL's seconds per patch)
     multi_modal_inputs  dict        the processor's tensors for exactly these images and videos: pixel_values
                                     [patches, dim], image_grid_thw [n_images, 3], pixel_values_videos
                                     [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
@@ -31,11 +29,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
-Config attributes read (DataConfig, documented in configs/geo3k.yaml): prompt_key, answer_key, image_key,
-video_key, image_dir, video_fps, max_prompt_length, format_prompt, override_chat_template, system_prompt,
-seed, min_pixels, max_pixels (per image and per video frame), filter_overlong_prompts,
-filter_overlong_prompts_workers, skip_bad_rows. Relative paths (sources, templates) are tried from the
-working directory, then from this file's folder.
+Reads cfg.data (DataConfig; its keys are documented in configs/geo3k.yaml). Relative paths (sources,
+templates) are tried from the working directory, then from this file's folder.
 """
 
 import bisect
@@ -54,7 +49,6 @@ import threading
 import datasets
 import jinja2
 import numpy
-import pyarrow
 import pyarrow.compute
 import pyarrow.parquet
 import torch
@@ -65,7 +59,6 @@ logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
-VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES = 4, 768  # bounds on the sampled frames of a video (qwen-vl-utils')
 _MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
 
 
@@ -74,9 +67,8 @@ class DataError(ValueError):
 
 
 def load_processor(tokenizer_path, cfg, trust_remote_code=False):
-    """(processor, tokenizer). A vision model's AutoProcessor; for a text model the tokenizer stands in as
-    the processor (same apply_chat_template and __call__). cfg.override_chat_template, when set, replaces
-    the chat template of both, so the trainer decodes with the tokenizer the prompts were built with."""
+    """(processor, tokenizer): a vision model's AutoProcessor, or for a text model the tokenizer as both.
+    cfg.override_chat_template, when set, replaces both chat templates: the trainer decodes with the same."""
     config = AutoConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     auto = AutoProcessor if getattr(config, "vision_config", None) is not None else AutoTokenizer
     processor = auto.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
@@ -88,14 +80,13 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
 
 
 class PromptLoader:
-    """Batches of prompt dicts from a source, forever; each batch's prompts are built when it is asked for, or,
-    with `prefetch`, in a background thread while the previous batch trains (as EasyR1's DataLoader workers do;
-    the loader then keeps its own copy of the processor, so no other thread shares its tokenizer).
-    The rows are loaded and checked at start-up (load_rows, check_rows). Epoch e visits the kept rows in the
-    order torch.randperm(n, generator seeded seed * 1_000_003 + e) (in file order without shuffle), cut into
-    batches of `batch_size` (-1 = all rows in one batch); drop_last drops the short tail. The position is
-    (current_epoch, batch): state_dict() saves it and load_state_dict() restores it, so a resumed loader yields
-    exactly the batches an uninterrupted one would."""
+    """Batches of prompt dicts from a source, forever, its rows loaded and checked at start-up (load_rows,
+    check_rows). A batch's prompts are built when it is asked for or, with `prefetch`, in a background thread
+    while the previous batch trains (with the loader's own copy of the processor: no tokenizer shared).
+    Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e) (file
+    order without shuffle), cut into batches of `batch_size` (-1: all rows); drop_last drops the short tail.
+    The position (current_epoch, batch) is what state_dict() saves, so a resumed loader yields exactly the
+    batches an uninterrupted one would."""
 
     def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False,
                  prefetch=False):
@@ -158,12 +149,11 @@ class PromptLoader:
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
-    """Indices of the rows to train on. Every row is measured at start-up, its images and videos decoded, so a
-    bad row fails here and not mid-run (and again on every resume):
+    """Indices of the rows to train on, every row measured at start-up by `workers` processes, its images and
+    videos decoded, so a bad row fails here and not mid-run (and again on every resume):
       - a bad row (unreadable image or video, null answer, empty prompt, placeholder count mismatch): DataError
-        naming the file and row, or with skip_bad (data.skip_bad_rows) skipped and counted in the log;
-      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts, else a bad row.
-    `workers` processes measure (data.filter_overlong_prompts_workers, as EasyR1's filter num_proc)."""
+        naming the file and row, or with skip_bad skipped and counted in the log;
+      - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts, else a bad row."""
     global _MEASURING
     cfg, limit = builder.cfg, builder.cfg.max_prompt_length
     _MEASURING = (rows, builder)
@@ -180,8 +170,9 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     if not cfg.filter_overlong_prompts:  # an overlong row is then a bad row
         lengths = [n if isinstance(n, str) or n <= limit else _overlong(rows.where(i), n, limit)
                    for i, n in enumerate(lengths)]
-    overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
     bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
+    kept = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n <= limit]
+    overlong = len(rows) - len(bad) - len(kept)
     if bad and not skip_bad:
         raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
     if bad:
@@ -189,12 +180,11 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
                        + " | ".join(lengths[i] for i in bad[:3]))
     if cfg.filter_overlong_prompts:
         (logger.warning if overlong else logger.info)(
-            f"{rows.name}: dropped {len(overlong)} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
+            f"{rows.name}: dropped {overlong} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
             f"(image and video tokens included)"
             f"{'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
-    kept = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n <= limit]
     if not kept:
-        raise DataError(f"{rows.name}: no row is left: {len(overlong)} longer than max_prompt_length={limit}, "
+        raise DataError(f"{rows.name}: no row is left: {overlong} longer than max_prompt_length={limit}, "
                         f"{len(bad)} bad")
     return kept
 
@@ -209,9 +199,8 @@ def _measure_row(i):
 
 
 def _overlong(where, length, limit):
-    return (f"{where}: the prompt is {length} tokens with images and videos expanded, more than "
-            f"max_prompt_length={limit}; "
-            "set filter_overlong_prompts: true to drop such rows, or raise max_prompt_length, or lower max_pixels")
+    return (f"{where}: the prompt is {length} tokens with images and videos expanded, more than max_prompt_length="
+            f"{limit}; set filter_overlong_prompts: true to drop them, or raise max_prompt_length / lower max_pixels")
 
 
 class PromptBuilder:
@@ -336,9 +325,9 @@ class PromptBuilder:
 def process_image(image, min_pixels, max_pixels, image_dir=None):
     """An RGB PIL image with at most max_pixels and at least min_pixels pixels, aspect ratio kept.
 
-    `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), raw bytes, or a path (relative
-    paths are joined to image_dir). Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by
-    s = sqrt(min_pixels / (w h)) rounds sides up, so the bounds hold exactly; sizes in range are kept."""
+    `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
+    image_dir). Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h))
+    rounds up, so the bounds hold exactly; sizes in range are kept."""
     image = _open_image(image, image_dir)
     size = _target_size(image.width, image.height, min_pixels, max_pixels)
     if size != image.size:
@@ -382,7 +371,7 @@ def sample_frame_indices(total, rate, fps):
             (the temporal patch of 2 frames), at least 1;
         indices = round(linspace(0, total - 1, T)).
     The sampled rate the model sees is T / total * rate."""
-    low, high = min(VIDEO_MIN_FRAMES, total), min(VIDEO_MAX_FRAMES, total)
+    low, high = min(4, total), min(768, total)
     count = max(1, int(min(max(total / rate * fps, low), high)) // 2 * 2)
     return torch.linspace(0, total - 1, count).round().long().tolist()
 

@@ -1,21 +1,19 @@
 """merge.py: a training checkpoint -> a Hugging Face folder that `from_pretrained` and vLLM load directly.
 
     python merge.py --local_dir checkpoints/<project>/<exp>/global_step_N/actor
-    python merge.py --local_dir ... --output DIR --dtype bf16 --max_shard_size 2GB --force
     python merge.py --local_dir ... --merge_lora      # LoRA run: the merged full model, not the adapter
 
-Reads, never modifies, what actor.Actor.save_checkpoint writes: <local_dir>/model/, the torch.distributed.checkpoint
-(DCP) of the model state dict (the peft model's names for LoRA) from any number of ranks, and <local_dir>/huggingface/
-(config, tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <local_dir>/merged
-(<local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end:
-  full model   model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json, split and
-               named as save_pretrained does (Qwen2.5-VL model.language_model.layers.* -> model.layers.*), a tied
-               lm_head left out, the files of huggingface/ copied (config.json's "dtype" set only with --dtype).
-  LoRA adapter adapter_model.safetensors with peft's saved names, adapter_config.json (inference_mode true) and
-               the tokenizer/processor files (no config.json).
-  --merge_lora the full model with W <- W + scale * B @ A for every adapted linear (see merged_tensor).
-Peak memory: one output shard at a time (about max_shard_size * stored / written bytes, or the largest tensor);
-the model itself is only built on the meta device.
+Reads, never modifies, what actor.Actor.save_checkpoint writes: <local_dir>/model/ (the torch.distributed.checkpoint
+of the model state dict, peft's names for LoRA, from any number of ranks) and <local_dir>/huggingface/ (config,
+tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <output> (default <local_dir>/merged, or
+<local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end:
+  full model    safetensors shards split and named as save_pretrained does (Qwen2.5-VL model.language_model.layers.*
+                -> model.layers.*; a tied lm_head left out), the huggingface/ files (config.json's "dtype" if --dtype)
+  LoRA adapter  adapter_model.safetensors (peft's saved names), adapter_config.json (inference_mode true) and the
+                tokenizer/processor files
+  --merge_lora  the full model with W <- W + scale * B @ A for every adapted linear (merged_tensor)
+Peak memory: one output shard (about max_shard_size x stored / written bytes, or the largest tensor); the model is
+built on the meta device only.
 """
 
 import argparse

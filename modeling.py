@@ -1,7 +1,6 @@
 """modeling.py: the model plumbing under actor.py, skippable on a first reading. Imports no stage.
 
-Needs transformers >= 5.18 (its Qwen-VL forwards take precomputed `mm_encoder_outputs`; 5.17 is refused with a
-clear error; tested with 5.22.2 and 5.24.0) and torch >= 2.6 (FSDP2).
+Needs transformers >= 5.18 (Qwen-VL forwards take `mm_encoder_outputs`; tested with 5.22.2, 5.24.0), torch >= 2.6.
 """
 
 import functools
@@ -14,6 +13,7 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
@@ -21,7 +21,8 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import checkpoint
-from transformers import vision_utils
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          PreTrainedConfig, vision_utils)
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,14 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config, with attention routed to
     packed_attention; LoRA adapters in the master dtype on frozen base weights in the compute dtype. With
     fsdp.enable_rank0_init rank 0 reads the weights and the other ranks, built on the meta device, receive them."""
-    from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
-                              PreTrainedConfig)
-
     sharded = dist.is_available() and dist.is_initialized()
     rank0_init = sharded and dist.get_world_size() > 1 and cfg.fsdp.enable_rank0_init
     model_cfg = cfg.model
     AttentionInterface.register(ATTENTION, packed_attention)
     config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
                                         **(model_cfg.override_config or {}))
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    is_vl = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
     weights_dtype = compute_dtype if lora_rank else master_dtype
     if rank0_init and dist.get_rank() != 0:
         with torch.device("meta"):
@@ -81,7 +80,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
 
     if role == "ref":
         module.requires_grad_(False)
-    elif model_cfg.freeze_vision_tower and getattr(config, "vision_config", None) is not None:
+    elif model_cfg.freeze_vision_tower and is_vl:
         vision_tower(hf).requires_grad_(False)
     if role == "actor" and model_cfg.enable_gradient_checkpointing:
         enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.2x
@@ -91,8 +90,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.train(role == "actor")  # dropout is 0 in the supported models; train() enables checkpointing
     if compile_layers:  # each decoder layer / vision block fused by torch.compile (dynamic shapes); attention eager
-        # The layers share transformers' checkpointing wrapper, compiled once per (layer class, FSDP subclass,
-        # input rank): about 10 graphs, over torch's default limit of 8 per code object.
+        # ~10 graphs (layer class x FSDP subclass x input rank) of one checkpointing wrapper: torch's limit is 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for m in layer_units(hf):
             m.compile(dynamic=True)
@@ -115,9 +113,8 @@ def shard_model(hf, device, fsdp_cfg, compute_dtype):
     shape, names = ((world // size, size), ("ddp", "fsdp")) if 0 < size < world else ((world,), ("fsdp",))
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     offload = fsdp_cfg.enable_cpu_offload and device.type == "cuda"
-    # Only the root casts its floating inputs (pixels) to the compute dtype. A layer's inputs are already in it,
-    # except the vision rotary cos / sin (fp32): cast on the forward pass but not on the checkpoint recompute (FSDP2
-    # skips its pre-forward in backward), they would differ between the two.
+    # Only the root casts its floating inputs (pixels): a layer's would be cast on the forward but not on the
+    # checkpoint recompute (FSDP2 skips its pre-forward in backward), so the fp32 vision rotary cos / sin would differ.
     precision = [MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype],
                                       cast_forward_inputs=cast) for cast in (False, True)]
     kwargs = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.enable_full_shard,
@@ -146,11 +143,9 @@ def broadcast_buffers(hf, device):
 def vision_tower(hf):
     body = getattr(hf, hf.base_model_prefix)
     if "mm_encoder_outputs" not in inspect.signature(body.forward).parameters:
-        import transformers
-
         raise RuntimeError(f"transformers {transformers.__version__}: {type(body).__name__}.forward takes no "
-                           "mm_encoder_outputs, which actor.py needs to run the vision tower in a fixed order "
-                           "(the same on every rank); install transformers>=5.18 (tested with 5.22.2 and 5.24.0)")
+                           "mm_encoder_outputs (actor.py runs the vision tower itself, the same on every rank); "
+                           "install transformers>=5.18 (tested with 5.22.2 and 5.24.0)")
     tower = getattr(body, "visual", None)
     if tower is None:
         raise ValueError(f"{type(hf).__name__} has no vision tower at .{hf.base_model_prefix}.visual; actor.py knows "
@@ -228,10 +223,9 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         resp_index       [N]              row positions whose output predicts a response token (the one before it)
         labels           [N]              the response tokens: shifted labels built per sequence, never across
         resp_cu_seqlens  [n + 1] int32    each sample's response tokens in [N]
-        resp_lens, seq_lens  list[int];   mm: dict of multi-modal tensors concatenated in sample order
-        mm_order         {"image" / "video": [k]}   which encoded image (video) fills each one of the row, in
-                                          order: samples that share their pixel tensors (the n responses of a
-                                          prompt, see pixels_key) share the images, in `mm` and encoded once
+        resp_lens, seq_lens  list[int];   mm: the multi-modal tensors, each image (video) once, in sample order
+        mm_order         {"image" / "video": [k]}   the image (video) of `mm` behind each one of the row: samples
+                                          that share pixel tensors (pixels_key) share their images, encoded once
     """
     names = names or [f"sample {i}" for i in range(len(samples))]
     ids, positions, resp_index, labels, seq_lens, resp_lens, mm = [], [], [], [], [], [], {}
@@ -291,25 +285,23 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
 
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
     """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
-    (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities`, the same
-    on every micro-batch; one without that input runs the tower on a dummy, joined as zero rows.
-    No host sync: the *_grid_thw come as lists (or host tensors), and the tower gets its index tensors from them
-    (vision_indices). Every tensor in the arguments should already be on the device: FSDP2's root moves the rest
-    there with a blocking copy, before this runs."""
+    (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities` on every
+    micro-batch, on a dummy joined as zero rows where the batch lacks that input. No host sync: the grids come as
+    host lists (vision_indices); every tensor argument must already be on the device (FSDP2's root copies the
+    rest there, blocking)."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
-    if modalities:
-        encoded = {}
-        for modality in modalities:
-            method, pixels, grid = VISION_CALLS[modality]
-            real = pixels in batch["mm"]
-            device = batch["input_ids"].device
-            x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else dummy_vision[:2]
-            thw = torch.as_tensor(thw)  # [n, 3] on the host
-            out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(body.visual, thw, device))
-            order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
-            encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
+    encoded, device = {}, batch["input_ids"].device
+    for modality in modalities:
+        method, pixels, grid = VISION_CALLS[modality]
+        real = pixels in batch["mm"]
+        x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else dummy_vision[:2]
+        thw = torch.as_tensor(thw)  # [n, 3] on the host
+        out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(body.visual, thw, device))
+        order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
+        encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
+    if encoded:
         kwargs["mm_encoder_outputs"] = encoded
     hidden = body(**kwargs).last_hidden_state[0]  # [T, H]
     return response_log_probs(hidden.index_select(0, batch["resp_index"]), hf.get_output_embeddings(),
@@ -318,10 +310,9 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
 
 def vision_indices(tower, grid_thw, device):
     """The index tensors a Qwen-VL vision tower derives from grid_thw [n, 3] (positions, sequence boundaries;
-    Qwen2.5-VL's windows, Qwen3-VL's position-embedding interpolation), computed by transformers' own helpers from
-    the host grid_thw and handed to the tower, which takes them from its keyword arguments and then reads grid_thw
-    only for the split sizes of its output (transformers 5.18-5.24). From a device grid_thw the tower computes them
-    itself, with about 14 host syncs a call: each waits for the GPU to finish all queued work."""
+    Qwen2.5-VL's windows, Qwen3-VL's position-embedding interpolation), computed by transformers' helpers from the
+    host grid_thw and moved to `device`. Given them, the tower (transformers 5.18-5.24) reads grid_thw only to split
+    its output; without them it computes them from a device grid_thw, with about 14 host syncs a call."""
     merge, cu = tower.spatial_merge_size, vision_utils.get_vision_cu_seqlens(grid_thw)
     out = {"position_ids": vision_utils.get_vision_position_ids(grid_thw, merge), "cu_seqlens": cu,
            "max_seqlen": int(cu.diff().max())}
@@ -360,14 +351,10 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
             ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else z.new_zeros(0)
         return logp, ent
 
-    logps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk):
-        h, y = hidden[s:s + chunk], labels[s:s + chunk]
-        logp, ent = checkpoint(head, h, y, use_reentrant=False) if torch.is_grad_enabled() else head(h, y)
-        logps.append(logp)
-        ents.append(ent)
-    if not logps:  # no response tokens: keep the graph connected to the model
+    if not len(hidden):  # no response tokens: keep the graph connected to the model
         return hidden.sum(-1).float() * 0.0, hidden.new_zeros(0, dtype=torch.float32)
+    run = functools.partial(checkpoint, head, use_reentrant=False) if torch.is_grad_enabled() else head
+    logps, ents = zip(*(run(h, y) for h, y in zip(hidden.split(chunk), labels.split(chunk))))
     return torch.cat(logps), torch.cat(ents)
 
 
@@ -402,11 +389,8 @@ def _as_zero_rows(output):
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query [1, Hq, T, D], key / value [1, Hkv, T, D] -> ([1, T, Hq, D], None).
-
-    Boundaries: the vision tower passes its own per-window / per-image `cu_seq_lens_q` (non-causal); the
-    text model gets packed_forward's `packed_cu_seqlens` / `packed_max_seqlen` through the forward kwargs.
-    Causality: `is_causal` when given, else module.is_causal.
-    """
+    Boundaries: the vision tower's per-window / per-image `cu_seq_lens_q`, else packed_forward's `packed_cu_seqlens`
+    (forward kwargs), else one sequence. Causal: `is_causal` when given, else module.is_causal."""
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("packed_attention: expects one packed row and no attention mask (it is the padding-free "
                          "path of actor.py); use attn_implementation='sdpa' for padded batches")
@@ -430,13 +414,11 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
     """q [T, Hq, D], k / v [T, Hkv, D], sequences at cu_seqlens [n + 1] -> [T, Hq, D]. Backends, logged once:
     flash-attn varlen (CUDA, installed); torch varlen_attn (CUDA, bf16/fp16); else an exact block-diagonal
     (causal) mask with scaled_dot_product_attention."""
-    if q.is_cuda and _kernel("flash") is not None:
+    if q.is_cuda and (fn := _kernel("flash")) is not None:
         _log_backend("flash-attn flash_attn_varlen_func")
-        return _kernel("flash")(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
-                                causal=causal)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _kernel("torch") is not None:
+        return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and (fn := _kernel("torch")) is not None:
         _log_backend("torch.nn.attention.varlen.varlen_attn")
-        fn = _kernel("torch")
         params = inspect.signature(fn).parameters
         kw = {"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0) if causal else (-1, -1)}
         if k.shape[1] != q.shape[1] and "enable_gqa" in params:
@@ -481,9 +463,8 @@ class AdamWBF16(torch.optim.Optimizer):
         u = -lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd p) + c     the step plus what was lost before
         s = p + u (fp32);   p = bf16(s);   c = s - p                           c: what this write-back lost
 
-    Without c, a step below half a bf16 spacing of p is lost: lr 1e-6 on weights of 0.02 (spacing 1.2e-4) moves
-    nothing; weight decay goes through c too. Works on FSDP2 shards: the arithmetic runs on local tensors, the
-    state stays DTensor (sharded checkpoints)."""
+    Without c, a step below half a bf16 spacing of p is lost (lr 1e-6 on weights of 0.02, spacing 1.2e-4). On
+    FSDP2 shards the arithmetic runs on local tensors and the state stays DTensor (sharded checkpoints)."""
 
     def __init__(self, params, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -565,10 +546,9 @@ class HostCopy:
     """Device tensors parked in host memory between passes (worker.actor.offload.*), the tensor objects kept.
 
     offload(tensors) copies each tensor's storage into one pinned host buffer (page-locked once, reused every step)
-    and frees the storage on the device by resizing it to 0 bytes, as FSDP2 frees its unsharded parameters; so
-    every tensor, and FSDP2's views of its shards, stays valid. onload() allocates the storages again and copies
-    the bytes back. Between the two the tensors must not be read. Pinned copies run at the bus's speed;
-    `module.to("cpu")` allocated fresh pageable memory on every call (47 s a step for a 3B model, README)."""
+    and frees the device storage by resizing it to 0 bytes, as FSDP2 frees its unsharded parameters, so every
+    tensor and FSDP2's views of its shards stay valid; onload() allocates the storages again and copies the bytes
+    back. Between the two the tensors must not be read."""
 
     def __init__(self):
         self.buffer, self.storages, self.sizes = None, [], []
@@ -576,11 +556,8 @@ class HostCopy:
     def offload(self, tensors):
         if self.storages:  # already offloaded
             return
-        storages = {}
-        for t in tensors:
-            s = _local(t).untyped_storage()
-            if s.nbytes():
-                storages[s.data_ptr()] = s  # one copy of a storage that several tensors view
+        storages = [_local(t).untyped_storage() for t in tensors]
+        storages = {s.data_ptr(): s for s in storages if s.nbytes()}  # one copy of a storage several tensors view
         self.storages, self.sizes = list(storages.values()), [s.nbytes() for s in storages.values()]
         if self.buffer is None or self.buffer.numel() != sum(self.sizes):
             self.buffer = None  # the old buffer is unpinned and freed before the new one is taken

@@ -4,7 +4,7 @@
     score = load_reward_function("my_reward.py:compute_score", max_response_length=2048)
     scores = score(inputs)                                        # list of dicts -> list of dicts
 
-A reward input (one per response) is EasyR1's dict plus `prompt` and `extra`:
+A reward input (one per response):
     response:        str   the decoded response (special tokens skipped)
     response_length: int   its length in tokens
     ground_truth:    str   the row's answer
@@ -12,8 +12,8 @@ A reward input (one per response) is EasyR1's dict plus `prompt` and `extra`:
     extra:           dict  the row's other columns (e.g. a difficulty or a task type)
 A reward function returns one dict of finite floats per input, the same keys for every input, with at least
 "overall" (the scalar reward that advantage.py turns into advantages); the other keys are logged as metrics.
-A user's file, as for EasyR1, sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of
-dicts) or "sequential" (fn(input, **kwargs) -> dict, as the built-ins).
+A user's file sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of dicts) or
+"sequential" (fn(input, **kwargs) -> dict, as the built-ins).
 """
 
 import importlib.util
@@ -68,8 +68,7 @@ class RewardFunction:
     call_timeout bounds every call: one per sample (sequential) or per batch. With a limit the function runs in a
     reward process forked here (before Ray or any thread starts; the function is not pickled) that serves calls
     over a pipe, killed at a timeout. Not a thread: Python cannot stop one, and one stuck in C code holding the
-    GIL (a backtracking regex) would block the timer too.
-    """
+    GIL (a backtracking regex) would block the timer too."""
 
     _worker = None  # (process, pipe) while a reward process runs
 
@@ -105,7 +104,7 @@ class RewardFunction:
             raise self._error(inputs, i, f"returned {type(result).__name__}, not a dict of floats")
         if "overall" not in result:
             raise self._error(inputs, i, f"returned keys {sorted(result)} without 'overall'")
-        if isinstance(first, dict) and result.keys() != first.keys():
+        if result.keys() != first.keys():  # sample 0 passed these checks first
             raise self._error(inputs, i, f"returned keys {sorted(result)}, but sample 0 returned {sorted(first)}; "
                                          f"every sample must return the same keys")
         scores = {}
@@ -262,7 +261,7 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
     overall  = accuracy + overlong_penalty_factor * overlong
     accuracy_normalized = (accuracy + 1) / 2   (in [0, 1]; the usual online-filtering key)
     """
-    if overlong_buffer_length < 0 or overlong_buffer_length > max_response_length:
+    if not 0 <= overlong_buffer_length <= max_response_length:
         raise ValueError(f"overlong_buffer_length={overlong_buffer_length} must be within [0, "
                          f"max_response_length={max_response_length}]")
     found = DAPO_ANSWER.findall(sample["response"][-300:])

@@ -1,18 +1,13 @@
 """rollout.py: n sampled responses per prompt, from one of two engines behind one interface.
 
-    engine = make_rollout(cfg.worker.rollout, model_path, max_prompt_length=..., max_response_length=...,
-                          device="cuda")                       # cfg.name picks ENGINES["hf" | "vllm"]
+    engine = make_rollout(cfg.worker.rollout, model_path, ...)  # cfg.name picks ENGINES["hf" | "vllm"]
     engine.load_weights(actor.named_tensors())                 # after every update (HF names, one at a time)
     engine.wake_up()
-    seed = derive_seed(derive_seed(cfg.seed, step, round), dp_rank)   # a fresh, reproducible stream each time
-    responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=max_response_length, seed=seed)
+    responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=..., seed=seed)  # seed: per round, rank
     engine.sleep()                                             # give the memory back to the actor
 
-Config attributes read (RolloutConfig, documented in configs/geo3k.yaml): name, n, temperature, top_p, top_k,
-dtype, ignore_eos (decode past EOS, for throughput runs; the response is still cut there), and for vllm seed,
-limit_images, gpu_memory_utilization, enforce_eager, enable_chunked_prefill, tensor_parallel_size,
-max_model_len, max_num_batched_tokens, disable_log_stats, disable_tqdm and limit_videos (not a key: the trainer
-sets it to the most videos in one row of the data). Validation passes sampling_settings(cfg, val_override_config).
+Reads worker.rollout (RolloutConfig) and two attributes the trainer adds to it: limit_videos (the most videos in
+one row of the data) and trust_remote_code (the model's). Validation passes sampling_settings(cfg, val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
@@ -54,10 +49,9 @@ def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, dev
     """The engine named by cfg.name, in cfg.dtype (bf16 | fp16 | fp32; fp32 for hf on CPU). tokenizer_path:
     where the generation config / tokenizer live if not in model_path. batch_size: hf only, sequences decoded
     together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
-    if cfg.name not in ENGINES:
-        raise ValueError(f"worker.rollout.name={cfg.name!r} is not one of {sorted(ENGINES)}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"worker.rollout.dtype={cfg.dtype!r} is not one of {sorted(DTYPES)}")
+    for key, allowed in (("name", ENGINES), ("dtype", DTYPES)):
+        if getattr(cfg, key) not in allowed:
+            raise ValueError(f"worker.rollout.{key}={getattr(cfg, key)!r} is not one of {sorted(allowed)}")
     return ENGINES[cfg.name](cfg, model_path, max_prompt_length=max_prompt_length, device=device,
                              max_response_length=max_response_length, tokenizer_path=tokenizer_path or model_path,
                              batch_size=batch_size)
@@ -78,11 +72,9 @@ def derive_seed(*parts):
 
 
 class HFRollout:
-    """A KV-cache sampling loop over left-padded batches, on its own unsharded copy of the model
-    (AutoModelForImageTextToText when the config has a vision_config, else AutoModelForCausalLM), refreshed in
-    place by load_weights(). Positions come from the prompt (data.py's mrope rows for Qwen-VL) and continue at
-    last_prompt_position + 1, + 2, ... on every row, exactly as the actor extends them, so batched and one-by-one
-    generation agree."""
+    """A KV-cache sampling loop over left-padded batches, on its own copy of the model, refreshed in place by
+    load_weights(). Positions come from the prompt (data.py's mrope rows for Qwen-VL) and continue at
+    last_prompt_position + 1, + 2, ... on every row, as the actor extends them: batched and one-by-one agree."""
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=64):
@@ -100,9 +92,8 @@ class HFRollout:
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
-        """len(prompts) * n responses, grouped by prompt. With top_p < 1 or 0 < top_k < vocab the log-probs are
-        those of the TRUNCATED distribution actually sampled from (what vLLM's processed_logprobs returns),
-        which the actor's full softmax does not represent: keep top_p=1, top_k=-1 for training rollouts."""
+        """len(prompts) * n responses, grouped by prompt. The log-probs are of the distribution sampled from: keep
+        top_p=1, top_k=-1 for training, as the actor's full softmax does not represent a truncated one."""
         max_tokens = max_tokens or self.max_response_length
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="prompt_ids")
         self.wake_up()
@@ -127,7 +118,6 @@ class HFRollout:
         generators = [torch.Generator(device=dev).manual_seed(derive_seed(seed, i, j)) for i, j in rows]
         cache = self.new_cache()
         logits = self._forward(input_ids, mask, positions, cache, mm)                # [B, vocab]
-        next_positions = positions[:, :, -1:] + 1                                    # [R, B, 1]
         alive = torch.ones(B, dtype=torch.bool, device=dev)
         eos = torch.tensor(self.eos_ids, device=dev)
         tokens, logprobs = [], []
@@ -140,8 +130,8 @@ class HFRollout:
             if step + 1 == max_tokens or not alive.any():
                 break
             mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)                     # [B, P + step + 1]
+            next_positions = positions[:, :, -1:] + step + 1                         # [R, B, 1]
             logits = self._forward(token[:, None], mask, next_positions, cache, {})
-            next_positions = next_positions + 1
         tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, T]
         return [_response(i, prompts[i]["uid"], tokens[b], logprobs[b], self.eos_ids) for b, (i, _) in enumerate(rows)]
 
@@ -225,14 +215,13 @@ def _sample_next(logits, banned_ids, temperature, top_p, top_k, generators):
 
 class VLLMRollout:
     """vLLM >= 0.11 in this process (SPMD, external_launcher; one engine per TP group, colocated with the actor),
-    weights synced from the actor (load_format="dummy": random until then).
+    weights synced from the actor (load_format="dummy": random until then); checked on vLLM 0.24.0.
 
     Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation. A step runs
     load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
     Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests, so generate()
     all-gathers the group's prompts, generates once with the first rank's seed, and returns this rank's share.
-    Needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) of the trainer's
-    workers; checked on vLLM 0.24.0."""
+    Needs the trainer's workers' torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=None):
@@ -310,11 +299,10 @@ class VLLMRollout:
         return [p for part, _ in gathered for p in part], offset, gathered[0][1]
 
     def load_weights(self, named_tensors):
-        """Stream (HF name, full tensor) pairs into vLLM's own loader (it handles TP slicing and fused qkv /
-        gate_up), waking only the weights so the KV cache is not allocated beside the actor's gathers."""
+        """Stream (HF name, full tensor) pairs into vLLM's own loader (it slices for TP, fuses qkv / gate_up and
+        maps transformers' names of Qwen2/2.5/3-VL and text LMs), waking only the weights so the KV cache is not
+        allocated beside the actor's gathers."""
         self.wake_up(tags={"weights"})
-        # HF names need no mapping: vLLM's hf_to_vllm_mapper takes transformers' names (model.language_model.*,
-        # model.visual.*, lm_head.*) for Qwen2/2.5/3-VL and text LMs (checked on 0.24.0); rename here if one needs it.
         _vllm_internals(self.llm)["model"].load_weights(named_tensors)
         self.synced = True
 
@@ -341,9 +329,9 @@ class VLLMRollout:
 
 
 def _vllm_internals(llm):
-    """THE one place that reaches into vLLM's private objects. Checked on vLLM 0.24.0 (EasyR1 uses the same
-    model path since 0.8). model: the nn.Module whose load_weights() takes HF names; reset_encoder_cache: the
-    engine's own (added in early 2026; None before); tp_group: vLLM's tensor-parallel GroupCoordinator."""
+    """THE one place that reaches into vLLM's private objects (checked on vLLM 0.24.0). model: the nn.Module
+    whose load_weights() takes HF names; reset_encoder_cache: the engine's own, None on an older vLLM; tp_group:
+    vLLM's tensor-parallel GroupCoordinator."""
     from vllm.distributed import parallel_state
 
     engine = llm.llm_engine

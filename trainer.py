@@ -1,13 +1,11 @@
 """trainer.py: the command line, the GRPO loop, metrics, loggers and checkpoints. With workers.py (the Ray plumbing,
 which a first reading can skip) the only module that imports the stages; the config is config.py.
 
-    python trainer.py                                   # the offline toy default (configs/toy.yaml)
-    python trainer.py --config configs/geo3k.yaml       # Qwen2.5-VL-7B on Geometry3K
-    python trainer.py --config X.yaml worker.rollout.n=8 algorithm.kl_coef=0.001
-    python trainer.py --config X.yaml --print-config    # the resolved config, then exit
+    python trainer.py                                                 # the offline toy (configs/toy.yaml)
+    python trainer.py --config configs/geo3k.yaml worker.rollout.n=8  # Qwen2.5-VL-7B on Geometry3K, a key overridden
+    python trainer.py --config configs/geo3k.yaml --print-config      # the resolved config, then exit
 
-Run.train_step is the README's loop, a line or a short block per stage; `self.workers` splits each call over the
-workers, each hosting actor.Actor, the reference and the rollout engine.
+Run.train_step is the README's loop, a short block per stage; self.workers runs each call on every worker.
 """
 
 import argparse
@@ -42,8 +40,7 @@ class Run:
     def __init__(self, cfg):
         self.cfg, t, d, a = cfg, cfg.trainer, cfg.data, cfg.algorithm
         _ensure_toy_world(cfg)
-        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or os.path.join("checkpoints", t.project_name,
-                                                                                 t.experiment_name))
+        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
         os.makedirs(self.ckpt_root, exist_ok=True)
         checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
@@ -64,13 +61,11 @@ class Run:
                                                      **{**timeout, **rw.reward_function_kwargs})
         self.kl_ctrl = (advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
                         else advantage.FixedKLController(a.kl_coef))
-        # trainer.max_steps, else EasyR1's count: loader batches per epoch x batch // rollout_batch_size x epochs
-        self.training_steps = t.max_steps or (self.train_loader.batches_per_epoch * batch // d.rollout_batch_size
-                                              * t.total_epochs)
+        batches = self.train_loader.batches_per_epoch
+        self.training_steps = t.max_steps or batches * batch // d.rollout_batch_size * t.total_epochs  # as EasyR1
         if self.training_steps < 1:
-            raise ConfigError(f"{self.train_loader.batches_per_epoch} batches of {batch} prompts per epoch make no "
-                              f"step of data.rollout_batch_size={d.rollout_batch_size} prompts; lower it or set "
-                              f"trainer.max_steps")
+            raise ConfigError(f"{batches} batches of {batch} prompts per epoch make no step of data.rollout_batch_size="
+                              f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
@@ -84,25 +79,24 @@ class Run:
             self.logger.log(metrics, self.step, amend=self.step > 0)  # resumed: into the row of the step it resumes
             if t.val_only:
                 return metrics
-        bar = tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger)
-        while self.step < self.training_steps:
-            self.step += 1
-            try:
-                metrics = self.train_step()
-            except RuntimeError as error:  # a worker failed or died: say where, then stop
-                raise RuntimeError(f"training stopped at step {self.step}: {error}") from None
-            last = self.step == self.training_steps
-            if last or (t.val_freq > 0 and self.step % t.val_freq == 0):  # the last step always validates
-                with timer(metrics, "validation"):
-                    metrics.update(self.validate())
-            if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
-                self.save_checkpoint(metrics)  # logs this step's row before the checkpoint is complete
-            else:
-                self.logger.log(metrics, self.step)
-            bar.update(1)
-            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in ("reward/overall", "val/reward_score")
-                             if k in metrics})
-        bar.close()
+        with tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger) as bar:
+            while self.step < self.training_steps:
+                self.step += 1
+                try:
+                    metrics = self.train_step()
+                except RuntimeError as error:  # a worker failed or died: say where, then stop
+                    raise RuntimeError(f"training stopped at step {self.step}: {error}") from None
+                last = self.step == self.training_steps
+                if last or (t.val_freq > 0 and self.step % t.val_freq == 0):  # the last step always validates
+                    with timer(metrics, "validation"):
+                        metrics.update(self.validate())
+                if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
+                    self.save_checkpoint(metrics)  # logs this step's row before the checkpoint is complete
+                else:
+                    self.logger.log(metrics, self.step)
+                bar.update(1)
+                bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in ("reward/overall", "val/reward_score")
+                                 if k in metrics})
         plot = self.logger.plot()
         print(f"done: metrics in {self.logger.jsonl_path}" + (f", plot in {plot}" if plot else "")
               + f", checkpoints in {self.ckpt_root}", flush=True)
@@ -206,8 +200,7 @@ class Run:
         return adv if token_level else adv.tolist()
 
     def sampling(self, key, override=None):
-        """rollout's sampling settings (override: val_override_config), max_tokens, and this generation's seed
-        derive_seed(worker.rollout.seed, *key), key naming step and round: fresh, reproducible streams each round."""
+        """rollout.sampling_settings, max_tokens and the seed derive_seed(worker.rollout.seed, *key): new each round."""
         r = self.cfg.worker.rollout
         return {**rollout.sampling_settings(r, override), "max_tokens": self.cfg.data.max_response_length,
                 "seed": rollout.derive_seed(r.seed, *key)}
@@ -240,10 +233,9 @@ class Run:
         return metrics
 
     def save_checkpoint(self, metrics):
-        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, write trainer_state.json (with the log's
-        size), then the tracker naming N, last and atomically; then remove old checkpoints. Why this order: a checkpoint
-        is used only once its trainer_state.json exists (_checkpoint_problem), and a resume cuts the log back to the
-        size saved with it (Logger.rewind): after a kill at any point and a resume, each step's row is there once."""
+        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, then trainer_state.json (with the log's
+        size) and the tracker naming N, each atomically; then remove old checkpoints. A checkpoint counts once its
+        trainer_state.json exists; a resume cuts the log back to its saved size, so each step's row is there once."""
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
@@ -268,9 +260,8 @@ class Run:
         try:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:
-            hint = (" It was found through the tracker in trainer.save_checkpoint_path: if that folder holds another "
-                    "run (a different model or config), pick a new folder or set trainer.find_last_checkpoint=false."
-                    if self.cfg.trainer.load_checkpoint_path is None else "")
+            hint = (" The tracker named it: if trainer.save_checkpoint_path holds another run, pick a new folder, or "
+                    "set trainer.find_last_checkpoint=false." if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
         self.kl_ctrl.value = state["kl_coef"]
@@ -408,17 +399,16 @@ class Logger:
         return {os.path.basename(f.name): os.path.getsize(f.name) for f in (self.jsonl, self.generations)}
 
     def rewind(self, sizes):
-        """Cut each of the LOG_FILES back to its size in `sizes` (sizes() when the checkpoint resumed from was saved;
-        0 for a fresh start; a file not named is left alone): what steps that now run again wrote, and it is said."""
+        """Cut each of the LOG_FILES back to its size in `sizes` (sizes() of the checkpoint resumed from; 0 for a fresh
+        start; a file not named is left alone), dropping, and saying so, what the steps that run again wrote."""
         for f in (self.jsonl, self.generations):
-            keep, size = sizes.get(os.path.basename(f.name)), os.path.getsize(f.name)
-            if keep is not None and size > keep:
+            keep = sizes.get(os.path.basename(f.name))
+            if keep is not None and os.path.getsize(f.name) > keep:
                 with open(f.name, "rb") as r:
                     r.seek(keep)
                     lines = r.read().count(b"\n")
                 os.truncate(f.name, keep)  # appends continue at the new end (the file is open with O_APPEND)
-                print(f"{f.name}: dropped the {lines} lines written after the checkpoint this run starts from "
-                      f"(those steps run again)", flush=True)
+                print(f"{f.name}: dropped {lines} lines newer than the checkpoint (those steps run again)", flush=True)
 
     def log_generations(self, rows, step):
         for row in rows:
@@ -429,8 +419,7 @@ class Logger:
         self.generations.flush()
 
     def plot(self):
-        """Reward, accuracy, format score and response length against steps (training batch and validation),
-        from the JSONL log. Accuracy and format are the reward function's "accuracy" and "format" keys, if any."""
+        """metrics.png: reward, accuracy, format score and response length by step (train, validation) from the log."""
         try:
             import matplotlib.pyplot as plt
         except ImportError:
@@ -483,14 +472,12 @@ class CheckpointError(RuntimeError):
 
 
 def _find_checkpoint(root, load_path, find_last):
-    """The global_step_N folder a run resumes from, or None for a fresh start; reads files only (no Ray, no model).
-    An explicit `load_path` must be complete. Else, with `find_last`, the last checkpoint the tracker in `root` names,
-    or, if that one is incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so.
-    No tracker: a fresh start. A tracker but no complete checkpoint: an error."""
+    """The global_step_N folder a run resumes from, or None for a fresh start (no tracker); reads files only, no Ray.
+    An explicit `load_path` must be complete. Else, with `find_last`, the one the tracker in `root` names or, if it is
+    incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so; none: an error."""
     if load_path is not None:
         if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
-            raise CheckpointError(f"trainer.load_checkpoint_path={load_path!r} must be an existing global_step_N "
-                                  f"folder")
+            raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
         if problem := _checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
         return load_path
@@ -507,13 +494,12 @@ def _find_checkpoint(root, load_path, find_last):
         steps = [s for s in steps if s <= last]  # later folders were being written when the run stopped
     for step in steps:
         path = os.path.join(root, f"global_step_{step}")
-        problem = _checkpoint_problem(path)
-        if problem is None:
-            if problems:
-                print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}",
-                      flush=True)
-            return path
-        problems.append(f"global_step_{step}: {problem}")
+        if problem := _checkpoint_problem(path):
+            problems.append(f"global_step_{step}: {problem}")
+            continue
+        if problems:
+            print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
+        return path
     raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
                           f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
                           f"afresh with trainer.find_last_checkpoint=false (or another trainer.save_checkpoint_path)")
@@ -528,8 +514,7 @@ def _checkpoint_problem(path):
     if problem or not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
         return problem or "trainer_state.json lacks global_step or kl_coef"
     if not state.get("resumable", True):
-        return ("it was saved with trainer.save_model_only=true and holds no optimizer state, so it cannot be "
-                "resumed (merge it with merge.py instead)")
+        return "trainer.save_model_only=true saved no optimizer state: it cannot be resumed (merge it with merge.py)"
     for name in ("dataloader.pt", "actor/extra_state.pt"):
         if problem := _load(path, name, lambda p: torch.load(p, weights_only=True))[1]:
             return problem
@@ -601,13 +586,11 @@ def check_choices(cfg):
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
     for section, fsdp in fsdps.items():
         if actor.DTYPES[fsdp.mp_buffer_dtype] != torch.float32:
-            raise ConfigError(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype}: buffers (rotary frequencies) stay in "
-                              f"fp32, as EasyR1's default; FSDP2 has no buffer dtype, so only fp32 is supported")
+            raise ConfigError(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype}: buffers stay fp32 in FSDP2; set fp32")
     ref = cfg.worker.ref.fsdp
     if ref.torch_dtype is not None and actor.DTYPES[ref.torch_dtype] != actor.DTYPES[ref.mp_param_dtype]:
         raise ConfigError(f"worker.ref.fsdp.torch_dtype={ref.torch_dtype}: the reference stores its weights in its "
-                          f"compute dtype (worker.ref.fsdp.mp_param_dtype={ref.mp_param_dtype}), which gives the same "
-                          f"log-probs in less memory; set it to null or to {ref.mp_param_dtype}")
+                          f"compute dtype (mp_param_dtype); set it to null or to {ref.mp_param_dtype}")
 
 
 def main(argv=None):

@@ -1,8 +1,6 @@
-"""workers.py: the Ray plumbing under trainer.py, which a first reading can skip.
-
-One Ray actor per GPU (per process on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the
-rollout engine, colocated. The driver's WorkerGroup splits lists of plain dicts over the workers, calls every worker
-(`ray.get([w.method.remote(shard) ...])`) and joins the results: trainer.py reads `self.workers.update(samples)`.
+"""workers.py: the Ray plumbing under trainer.py, which a first reading can skip. One Ray actor per GPU (per process
+on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the rollout engine, colocated. The driver's
+WorkerGroup splits lists of plain dicts over the workers, calls every worker and joins the results.
 """
 
 import copy
@@ -39,15 +37,14 @@ class Worker:
             offload = device == "cuda" and cfg.worker.actor.fsdp.enable_cpu_offload  # CPU gradients: gloo reduces
             backend = "cuda:nccl,cpu:gloo" if offload else "nccl" if device == "cuda" else "gloo"  # their norm
             dist.init_process_group(backend, rank=rank, world_size=world_size)
-        a, d, r = cfg.worker.actor, cfg.data, cfg.worker.rollout
-        common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length,
-                      max_response_length=d.max_response_length, n_per_prompt=r.n, training_steps=training_steps,
-                      use_kl_loss=cfg.algorithm.use_kl_loss and not cfg.algorithm.disable_kl,
-                      kl_coef=cfg.algorithm.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
+        a, d, r, alg = cfg.worker.actor, cfg.data, cfg.worker.rollout, cfg.algorithm
+        common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length, n_per_prompt=r.n,
+                      max_response_length=d.max_response_length, training_steps=training_steps, kl_coef=alg.kl_coef,
+                      use_kl_loss=alg.use_kl_loss and not alg.disable_kl, kl_penalty=alg.kl_penalty)
         torch.manual_seed(d.seed)  # the model's random init (LoRA adapters): the same on every rank and every run
         self.actor = actor.Actor(a, role="actor", **common)
         ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
-        needs_ref = not cfg.algorithm.disable_kl and a.model.lora.rank == 0  # LoRA: the policy, its adapter off
+        needs_ref = not alg.disable_kl and a.model.lora.rank == 0  # LoRA: the policy, its adapter off
         self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref else None
         r = copy.copy(r)
         r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
@@ -113,8 +110,7 @@ class WorkerGroup:
             else:
                 _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
         gpu = 1 if self.device == "cuda" else 0
-        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu} if gpu else {"CPU": 1}] * self.world,
-                                           strategy="PACK")
+        self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu}] * self.world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         remote, place = ray.remote(Worker), ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         self.workers = [remote.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=place(
@@ -143,12 +139,9 @@ class WorkerGroup:
         shares to one vLLM engine (rollout.py gathers them), which generates each prompt n times, once."""
         outs = self._get([w.generate.remote(prompts[i::self.world], sampling) for i, w in enumerate(self.workers)],
                          "generation")
-        by_prompt = {}
-        for rank, out in enumerate(outs):
-            for r in out:
-                index = r["prompt_index"] * self.world + rank  # rank i holds prompts i, i + world, ...
-                by_prompt.setdefault(index, []).append({**r, "prompt_index": index})
-        return [r for i in range(len(prompts)) for r in by_prompt.get(i, [])]
+        responses = [{**r, "prompt_index": r["prompt_index"] * self.world + rank}
+                     for rank, out in enumerate(outs) for r in out]  # rank i holds prompts i, i + world, ...
+        return sorted(responses, key=lambda r: r["prompt_index"])  # stable: a prompt's responses keep their order
 
     def shard(self, samples):
         """Per mini-batch, balance samples across ranks by tokens, as many on each; a prompt's responses stay on one
@@ -186,24 +179,21 @@ class WorkerGroup:
         self._get([w.load.remote(path) for w in self.workers], "checkpoint load")
 
     def shutdown(self):
-        for w in getattr(self, "workers", []):
+        for w in self.workers:
             ray.kill(w)
-        if getattr(self, "pg", None) is not None:
-            ray.util.remove_placement_group(self.pg)
+        ray.util.remove_placement_group(self.pg)
 
 
 class device_peak:
     """with device_peak(memory, "gen"): ... keeps in memory["gen"] the most GiB in use on this process's GPU while
-    the block ran, from the device itself (cudaMemGetInfo, polled every 5 ms: every process and allocator, vLLM's
-    pool included; torch's max_memory_allocated counts vLLM's pool but not what it frees). No-op on the CPU."""
+    the block ran, polled every 5 ms (cudaMemGetInfo: all processes and allocators, vLLM's pool too). No-op on CPU."""
 
     def __init__(self, memory, name):
         self.memory, self.name, self.done, self.peak = memory, name, threading.Event(), 0
 
     def __enter__(self):
         if torch.cuda.is_available():
-            device = torch.cuda.current_device()
-            self.thread = threading.Thread(target=self._poll, args=(device,), daemon=True)
+            self.thread = threading.Thread(target=self._poll, args=(torch.cuda.current_device(),), daemon=True)
             self.thread.start()
 
     def _poll(self, device):
@@ -229,10 +219,8 @@ def _worker_env():
 
 
 def _start_local_ray(**kwargs):
-    """ray.init of a one-machine Ray whose processes listen on 127.0.0.1 only. Ray 2.x listens on every interface
-    unless the node address is 127.0.0.1, and ray.init replaces a 127.0.0.1 `_node_ip_address` with the machine's
-    address unless its single-machine switch (ray_constants.ENABLE_RAY_CLUSTER, what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-    sets) is off: it is turned off around the call, and the Ray processes get 127.0.0.1 as their address."""
+    """ray.init of a one-machine Ray whose processes listen on 127.0.0.1 only: ray.init keeps a 127.0.0.1
+    `_node_ip_address` only while ray_constants.ENABLE_RAY_CLUSTER is off, so it is turned off around the call."""
     from ray._private import ray_constants
 
     saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
