@@ -32,7 +32,7 @@ class Worker:
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device == "cpu":
             torch.set_num_threads(max(1, _usable_cpus() // world_size))
-        self.memory = {}  # phase -> peak GiB in use on the device, reported with the update
+        self.memory, self.freed = {}, None  # phase -> peak GiB in use on the device; GiB the rollout's sleep freed
         if world_size > 1 and not dist.is_initialized():
             offload = device == "cuda" and cfg.worker.actor.fsdp.enable_cpu_offload  # CPU gradients: gloo reduces
             backend = "cuda:nccl,cpu:gloo" if offload else "nccl" if device == "cuda" else "gloo"  # their norm
@@ -64,7 +64,10 @@ class Worker:
             return self.rollout.generate(prompts, **{**sampling, "seed": seed})
 
     def sleep(self):
+        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
         self.rollout.sleep()
+        if free is not None:  # reported with the next update, as perf/rollout_sleep_freed_gb
+            self.freed = (torch.cuda.mem_get_info()[0] - free) / 2**30
 
     def log_probs(self, samples, kind):
         with device_peak(self.memory, kind):
@@ -76,6 +79,8 @@ class Worker:
         with device_peak(self.memory, "update"):
             metrics = self.actor.update(samples)
         metrics.update({f"perf/peak_device_memory_gb/{phase}": gib for phase, gib in self.memory.items()})
+        if self.freed is not None:
+            metrics["perf/rollout_sleep_freed_gb"] = self.freed
         self.memory.clear()
         return metrics
 

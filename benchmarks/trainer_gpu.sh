@@ -7,12 +7,13 @@
 #      compute), a model-only save at the end.
 # Then prints seconds per step and the per-stage timings (median over the steps after the first) of each, with
 # perf/throughput (prompt + response tokens / step seconds / GPUs, EasyR1's tokens/s/GPU), perf/mfu_actor and the
-# peak device memory of each phase (perf/peak_device_memory_gb/*). COMPONENTS=1 then times the bare parts of the
-# 3B step on the same prompts (the first BATCH of the colours task, images included, 5 responses of 512 tokens
-# each) and the same one-GPU path (benchmarks/actor_paths.py --images --generate: vLLM generate, log-prob pass,
-# update; fp32 master weights under autocast, compiled layers; COMPONENT_MODES=... adds others) and prints their
-# sum against the 3B step, the profiled kernel time by kind, the GPU's idle gaps by host op and the allocator's
-# counters (all in components.json).
+# peak device memory of each phase (perf/peak_device_memory_gb/*), with what vLLM's sleep freed
+# (perf/rollout_sleep_freed_gb). COMPONENTS=1 then times the bare parts of the 3B step on the same prompts (the
+# first BATCH of the colours task, images included, 5 responses of 512 tokens each) and the same one-GPU path
+# (benchmarks/actor_paths.py --images --generate: vLLM generate, log-prob pass, update; fp32 master weights under
+# autocast, compiled layers; COMPONENT_MODES=... adds others) and prints their sum against the 3B step, the
+# profiled kernel time by kind, the GPU's idle gaps by host op and the allocator's counters (all in
+# components.json).
 #
 #   GPUS=2 STEPS=3 BATCH=32 bash benchmarks/trainer_gpu.sh [OUT]   # needs requirements-gpu.txt
 #   EXTRA="worker.rollout.tensor_parallel_size=2" GPUS=2 RUNS=3b ...   # more overrides for the 3B/7B-sized run
