@@ -74,6 +74,29 @@ def test_adamw_bf16_state_is_bf16_and_fp32_weights_get_no_compensation():
     torch.testing.assert_close(p32.detach(), before - 1e-3 / (1 + 1e-8), rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_bf16_resumed_from_its_state_dict_steps_as_uninterrupted(dtype):
+    """3 steps, state_dict -> a fresh optimizer's load_state_dict, 3 more steps: the same weights and state as 6
+    steps in one go, bit for bit, on fp32 weights (master weights, LoRA adapters) and bf16 ones. torch's load casts
+    the state to the parameter's dtype; on fp32 weights step() then overwrote m and v in place."""
+    gen = torch.Generator().manual_seed(0)
+    w0, grads = torch.randn(8, 4, generator=gen).to(dtype), [torch.randn(8, 4, generator=gen) for _ in range(6)]
+    straight, resumed = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt = modeling.AdamWBF16([straight], lr=1e-2, weight_decay=0.1)
+    first = modeling.AdamWBF16([resumed], lr=1e-2, weight_decay=0.1)
+    for i, g in enumerate(grads):
+        if i == 3:
+            second = modeling.AdamWBF16([resumed], lr=1e-2, weight_decay=0.1)
+            second.load_state_dict(first.state_dict())
+        for p, o in ((straight, opt), (resumed, first if i < 3 else second)):
+            p.grad = g.to(dtype)
+            o.step()
+    assert torch.equal(straight, resumed)
+    for key in ("exp_avg", "exp_avg_sq", "compensation"):
+        assert second.state[resumed][key].dtype == torch.bfloat16
+        assert torch.equal(opt.state[straight][key], second.state[resumed][key]), key
+
+
 # ----------------------------------------------------------------------------------------------
 # AdamWBF16 on FSDP2 shards (2 gloo ranks) = on the full tensors in one process
 # ----------------------------------------------------------------------------------------------
