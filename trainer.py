@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -135,9 +136,10 @@ class Run:
         while len(prompts) < want:
             rounds += 1
             if 0 < tries < rounds:
-                raise RuntimeError(f"online filtering kept {len(prompts)} of {want} groups after {rounds - 1} "
-                                   f"rounds (trainer.max_try_make_batch); widen algorithm.filter_low/filter_high, "
-                                   f"raise max_try_make_batch, or disable algorithm.online_filtering")
+                advice = ("widen algorithm.filter_low/filter_high, raise it, or disable algorithm.online_filtering"
+                          if a.online_filtering else "raise it or data.mini_rollout_batch_size")
+                raise RuntimeError(f"{len(prompts)} of {want} groups after {rounds - 1} generation rounds "
+                                   f"(trainer.max_try_make_batch); {advice}")
             batch = next(self.train_iter)
             for i, p in enumerate(batch):
                 p["uid"] = f"{self.step}-{rounds}-{i}"
@@ -246,8 +248,9 @@ class Run:
         if val_score is not None and (best is None or val_score > best):
             self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
         self.logger.log(metrics, self.step)
+        self.logger.flush()  # the step's rows on disk before its checkpoint counts
         state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only,
-                 **self.best, "log_sizes": self.logger.sizes()}
+                 **self.best}
         _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
         _write_json_atomic(os.path.join(self.ckpt_root, TRACKER), {"last_global_step": self.step, **self.best})
         _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
@@ -255,7 +258,7 @@ class Run:
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
         if path is None:
-            return self.logger.rewind(dict.fromkeys(LOG_FILES, 0))  # an earlier attempt's rows: those steps run again
+            return self.logger.rewind(-1)  # an earlier attempt's rows: those steps run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         try:
             self.workers.load(os.path.join(path, "actor"))
@@ -268,7 +271,7 @@ class Run:
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
         if os.path.dirname(os.path.abspath(path)) == self.ckpt_root:  # this run's own log: back to the checkpoint
-            self.logger.rewind(state.get("log_sizes", {}))
+            self.logger.rewind(self.step)
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):
@@ -391,24 +394,21 @@ class Logger:
         for log, _ in self.sinks:
             log(metrics, step)
 
-    def sizes(self):
-        """{file name: bytes} of the LOG_FILES, flushed to disk: saved with each checkpoint for rewind."""
+    def flush(self):
         for f in (self.jsonl, self.generations):
             f.flush()
             os.fsync(f.fileno())
-        return {os.path.basename(f.name): os.path.getsize(f.name) for f in (self.jsonl, self.generations)}
 
-    def rewind(self, sizes):
-        """Cut each of the LOG_FILES back to its size in `sizes` (sizes() of the checkpoint resumed from; 0 for a fresh
-        start; a file not named is left alone), dropping, and saying so, what the steps that run again wrote."""
+    def rewind(self, step):
+        """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: a fresh
+        start), saying what goes: a tail (rows are in step order) from the first row of a later step or cut short.
+        By step, not by byte size: a resumed run's validation rewrites the checkpoint's row (amend) to a new size."""
         for f in (self.jsonl, self.generations):
-            keep = sizes.get(os.path.basename(f.name))
-            if keep is not None and os.path.getsize(f.name) > keep:
-                with open(f.name, "rb") as r:
-                    r.seek(keep)
-                    lines = r.read().count(b"\n")
-                os.truncate(f.name, keep)  # appends continue at the new end (the file is open with O_APPEND)
-                print(f"{f.name}: dropped {lines} lines newer than the checkpoint (those steps run again)", flush=True)
+            lines = open(f.name, "rb").readlines()
+            kept = next((i for i, line in enumerate(lines) if _row_step(line) > step), len(lines))
+            if kept < len(lines):
+                os.truncate(f.name, sum(map(len, lines[:kept])))  # appends continue there (the file is O_APPEND)
+                print(f"{f.name}: dropped {len(lines) - kept} lines of later steps (they run again)", flush=True)
 
     def log_generations(self, rows, step):
         for row in rows:
@@ -450,6 +450,12 @@ class Logger:
         self.generations.close()
         for _, close in self.sinks:
             close()
+
+
+def _row_step(line):
+    """The step of one log line (bytes, written as {"step": N, ...}), or infinity for a line cut short."""
+    match = re.match(rb'\{"step": (-?\d+)[,}]', line)
+    return int(match.group(1)) if match and line.endswith(b"\n") else math.inf
 
 
 def _write_json_atomic(path, obj):
@@ -544,13 +550,14 @@ def _saved_steps(root):
 
 
 def _remove_old_checkpoints(root, step, best_step, limit):
-    """Keep the newest `limit` checkpoints (the best by validation counts toward them and is never removed)."""
+    """Keep the newest `limit` checkpoints up to `step` (the best by validation counts toward them and is never
+    removed); a later folder, left by a stopped run, is neither counted nor removed (it is replaced when reached)."""
     if limit <= 0:
         return
-    steps, keep = _saved_steps(root), {step, best_step} - {None}
+    steps, keep = [s for s in _saved_steps(root) if s <= step], {step, best_step} - {None}
     keep |= set([s for s in reversed(steps) if s not in keep][:max(limit - len(keep), 0)])
     for s in steps:
-        if s not in keep and s < step:
+        if s not in keep:
             shutil.rmtree(os.path.join(root, f"global_step_{s}"), ignore_errors=True)
 
 

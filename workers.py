@@ -53,7 +53,8 @@ class Worker:
                                             tokenizer_path=a.model.tokenizer_path)
         self.rank = rank
 
-    def sync_weights(self):
+    def sync_weights(self):  # a step's first call (and validation's): the peaks since the update are dropped
+        self.memory.clear()
         with device_peak(self.memory, "sync"):
             self.rollout.load_weights(self.actor.named_tensors())  # vLLM wakes only its weights for this
             self.rollout.wake_up()  # then the KV cache
@@ -81,7 +82,6 @@ class Worker:
         metrics.update({f"perf/peak_device_memory_gb/{phase}": gib for phase, gib in self.memory.items()})
         if self.freed is not None:
             metrics["perf/rollout_sleep_freed_gb"] = self.freed
-        self.memory.clear()
         return metrics
 
     def save(self, path, model_only):
@@ -125,8 +125,12 @@ class WorkerGroup:
                    for i, w in enumerate(self.workers)], "setup")
 
     def _get(self, refs, what):
-        """ray.get that turns a dead or failing worker into one clear error instead of a hang."""
+        """ray.get, but a dead or failing worker is one clear error, raised at once (others may hang in collectives)."""
         try:
+            pending = list(refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)  # raises a failed worker's error
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a worker died during {what}: {e}") from None

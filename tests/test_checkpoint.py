@@ -307,6 +307,10 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     assert folders(tmp_path) == [25, 30]
     trainer._remove_old_checkpoints(str(tmp_path), 30, None, -1)  # save_limit <= 0 keeps all
     assert folders(tmp_path) == [25, 30]
+    for step in (35, 40):  # 40: a stopped run's later folder, not counted toward the limit and not removed
+        os.makedirs(tmp_path / f"global_step_{step}")
+    trainer._remove_old_checkpoints(str(tmp_path), 35, None, 2)
+    assert folders(tmp_path) == [30, 35, 40]
 
 
 def test_save_limit_and_the_best_validation_score_across_a_resume(tmp_path):

@@ -444,6 +444,65 @@ def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
         [{"step": 5, "val/reward_score": 0.4}]
 
 
+def test_a_log_resumed_twice_from_one_checkpoint_stays_whole(tmp_path, capsys):
+    """Resumed twice from the checkpoint of step 2, each time validating (amending row 2, which grows) and dying
+    during step 3: rewind(2) keeps rows up to step 2 whole, whatever their length now, and drops the rest; a line
+    cut short by a crash goes too. A rewind by the byte size saved with the checkpoint cut row 2 in half."""
+    cfg = load_config(None, ["trainer.logger=[file]"])
+    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger.log({"val/reward_score": 0.1}, 0)
+    logger.log({"reward/overall": 0.1}, 1)
+    logger.log({"reward/overall": 0.2}, 2)
+    logger.flush()  # the checkpoint of step 2
+    for score in (0.123456789, 0.5):
+        logger.log({"reward/overall": 0.3}, 3)
+        logger.jsonl.write('{"step": 4, "rew')  # killed while writing
+        logger.jsonl.flush()
+        logger.rewind(2)
+        logger.log({"val/reward_score": score}, 2, amend=True)
+    logger.close()
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert rows == [{"step": 0, "val/reward_score": 0.1}, {"step": 1, "reward/overall": 0.1},
+                    {"step": 2, "reward/overall": 0.2, "val/reward_score": 0.5}]
+    assert "experiment_log.jsonl: dropped 2 lines of later steps" in capsys.readouterr().out
+    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger.rewind(-1)  # a fresh start: every row goes
+    logger.close()
+    assert (tmp_path / "experiment_log.jsonl").read_text() == ""
+
+
+def test_a_failing_worker_is_reported_while_another_still_runs(monkeypatch):
+    """WorkerGroup._get raises the first failure as soon as it is there: rank 1 fails while rank 0 never returns
+    (as when it waits in a collective for rank 1). A plain ray.get of both would wait for rank 0 first."""
+    class Failed(Exception):
+        pass
+
+    class FakeRay:
+        class exceptions:
+            RayActorError = type("RayActorError", (Exception,), {})
+            RayTaskError = Failed
+
+        @staticmethod
+        def wait(refs, num_returns):
+            ready = [r for r in refs if r != "hangs"]
+            assert ready, "waited for a worker that never returns"
+            return ready[:num_returns], [r for r in refs if r not in ready[:num_returns]]
+
+        @staticmethod
+        def get(refs):
+            if "hangs" in refs:
+                raise AssertionError("ray.get on a worker that never returns")
+            if "fails" in refs:
+                raise Failed("CUDA out of memory on rank 1")
+            return refs
+
+    monkeypatch.setattr(workers, "ray", FakeRay)
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    with pytest.raises(RuntimeError, match="a worker failed during actor update:\nCUDA out of memory on rank 1"):
+        group._get(["hangs", "fails"], "actor update")
+    assert group._get(["a", "b"], "setup") == ["a", "b"]
+
+
 def test_shard_keeps_a_prompts_responses_on_one_rank_when_groups_divide():
     """8 samples (uids a..d, two each; lengths 10+x) over 2 ranks: whole groups, 4 samples a rank, groups balanced
     by tokens (a 20+21, d 26+27 vs b 22+23, c 24+25: 94 each); 3 groups over 2 ranks fall back to samples."""
