@@ -288,9 +288,12 @@ class PromptBuilder:
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): encoded whole
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        for image in self.decode(where, "image", images, _open_image, cfg.image_dir):
+        for k, image in enumerate(self.decode(where, "image", images, _open_image, cfg.image_dir)):
             width, height = _target_size(*image.size, cfg.min_pixels, cfg.max_pixels)
-            patches = self.image_processor.get_number_of_image_patches(height, width, {})
+            try:  # the processor's resize refuses some shapes (an aspect ratio over 200)
+                patches = self.image_processor.get_number_of_image_patches(height, width, {})
+            except ValueError as e:
+                raise DataError(f"{where}: image {k} ({image.width}x{image.height}) cannot be processed: {e}") from e
             n += patches // self.image_processor.merge_size ** 2 - 1
         return n
 
@@ -446,7 +449,7 @@ def load_rows(spec, cfg):
     if not spec:
         raise DataError("no data source: set data.train_files and data.val_files")
     path, split = spec, None
-    if "@" in spec and "/" not in spec.rpartition("@")[2]:
+    if "@" in spec and "/" not in spec.rpartition("@")[2] and _local_path(spec) is None:  # a@b.parquet is a file
         path, split = spec.rsplit("@", 1)
     local = _local_path(path)
     if local is None:

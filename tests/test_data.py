@@ -244,6 +244,8 @@ def test_every_local_source_form(tmp_path, monkeypatch, toy):
     assert len(data.load_rows(str(folder), cfg)) == 3  # a folder without @split reads the train split
     with pytest.raises(data.DataError, match="a file has no splits"):
         data.load_rows(f"{tmp_path / 'set.parquet'}@test", cfg)
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "set@v2.parquet")  # an @ in a file's own name is not a split
+    assert len(data.load_rows(str(tmp_path / "set@v2.parquet"), cfg)) == len(ROWS)
     with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl file with 'validation'"):
         data.load_rows(f"{folder}@validation", cfg)
     # The repo-relative toy path resolves from any working directory.
@@ -609,6 +611,8 @@ BAD_ROWS = {
     "null answer": ({"problem": "Q?", "answer": None, "images": []}, "no answer in column 'answer'"),
     "truncated image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": TRUNCATED, "path": None}]},
                         "image 0 of column 'images' is unreadable: .*truncated"),
+    "thin image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": png(1000, 3), "path": None}]},
+                   "aspect ratio must be smaller than 200"),  # the processor's resize refuses it
 }
 
 
