@@ -132,8 +132,7 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     return loss, metrics
 
 
-def aggregate_loss(per_token_loss, cu_seqlens, mode="token", global_tokens=None, global_seqs=None,
-                   seq_len_norm=None):
+def aggregate_loss(per_token_loss, cu_seqlens, mode="token", global_tokens=None, global_seqs=None, seq_len_norm=None):
     """Reduce a per-token loss `[tokens]` to a scalar. With l_it the loss of token t of sequence i:
 
         token         sum_i sum_t l_it / global_tokens                      (DAPO token mean; default)

@@ -210,8 +210,7 @@ class PromptBuilder:
     def __init__(self, cfg, processor, model_path, trust_remote_code=False):
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"data.min_pixels={cfg.min_pixels} is larger than data.max_pixels={cfg.max_pixels}")
-        self.cfg, self.processor = cfg, processor
-        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.cfg, self.processor, self.tokenizer = cfg, processor, getattr(processor, "tokenizer", processor)
         self.image_processor = getattr(processor, "image_processor", None)
         self.rope_model = None
         if self.image_processor is not None:

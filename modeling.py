@@ -499,8 +499,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 c.copy_(s.sub_(x))
 
     def load_state_dict(self, state_dict):
-        """torch's load casts the state to each parameter's dtype (fp32 with fp32 master weights or LoRA adapters):
-        back to bf16, where step() expects it (its in-place fp32 arithmetic would otherwise overwrite m and v)."""
+        """torch's load casts the state to the parameters' dtype (fp32 ones too): back to bf16, as step() needs."""
         super().load_state_dict(state_dict)
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq", "compensation"):

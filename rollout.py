@@ -42,6 +42,8 @@ from modeling import DTYPES
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# How vLLM gets a video's metadata (its time positions): beside each video, or as the processor's kwargs (README)
+VIDEO_METADATA = {"qwen3_vl": "pair", "qwen3_vl_moe": "pair", "qwen2_5_vl": "kwargs"}
 
 
 def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path=None,
@@ -238,8 +240,7 @@ class VLLMRollout:
         # limit_videos 0 (data without videos): vLLM neither profiles nor reserves memory for a video.
         limits = {"video": getattr(cfg, "limit_videos", 0)}
         limits |= {"image": cfg.limit_images} if cfg.limit_images > 0 else {}
-        # Qwen3-VL's video tokens carry timestamps: vLLM wants each video with its metadata (as EasyR1 sends it).
-        self.video_metadata = config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+        self.video_metadata = VIDEO_METADATA.get(config.model_type)
         extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
         self.llm = vllm.LLM(
             model=model_path, tokenizer=tokenizer_path, load_format="dummy",
@@ -269,11 +270,13 @@ class VLLMRollout:
         group, offset, seed = self._gather_tp_group(mine, seed)  # each rank brings its own share
         requests = []
         for prompt in group:
-            videos = prompt["videos"]
-            if videos and self.video_metadata:  # frames sampled by data.py: vLLM must not sample again
-                videos = [(v, {**m, "do_sample_frames": False}) for v, m in zip(videos, prompt["video_metadata"])]
+            videos, metadata = prompt["videos"], prompt["video_metadata"]
+            if videos and self.video_metadata == "pair":  # frames sampled by data.py: vLLM must not sample again
+                videos = [(v, {**m, "do_sample_frames": False}) for v, m in zip(videos, metadata)]
             media = {kind: items for kind, items in (("image", prompt["images"]), ("video", videos)) if items}
             request = {"prompt_token_ids": prompt["raw_prompt_ids"]} | ({"multi_modal_data": media} if media else {})
+            if videos and self.video_metadata == "kwargs":
+                request["mm_processor_kwargs"] = {"video_metadata": metadata}
             requests += [request] * n
         params = [self.SamplingParams(  # n requests of one sample each (sample j of prompt i: k = i * n + j)
             n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,

@@ -308,7 +308,9 @@ def test_text_only_model(toy):
 def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy, tmp_path, monkeypatch):
     """No GPU needed: a stand-in vLLM records what the engine hands it. Videos go as multi_modal_data
     {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
-    already), as EasyR1 sends them; limit_mm_per_prompt allows as many videos as the data has (0 without)."""
+    already), as EasyR1 sends them; for Qwen2.5-VL the metadata goes as the processor's video_metadata (vLLM
+    0.24 drops it from a (video, metadata) pair there, and the processor then takes 24 fps for the time
+    positions); limit_mm_per_prompt allows as many videos as the data has (0 without)."""
     import sys
 
     import numpy
@@ -367,6 +369,8 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
         assert [m for _, m in sent] == [{**metadata, "do_sample_frames": False}] * 2
         sent = [v for v, _ in sent]
     assert len(sent) == 2 and all(v is frames for v in sent)
+    kwargs = {"video_metadata": [metadata, metadata]} if family == "qwen2_5_vl" else None
+    assert video.get("mm_processor_kwargs") == kwargs and "mm_processor_kwargs" not in text
 
 
 def test_sampler_draws_from_the_processed_distribution():
