@@ -441,7 +441,7 @@ class Rows:
 
 def load_rows(spec, cfg):
     """Rows of `spec`, one of:
-      - a local .parquet/.json/.jsonl file (no @split: a file has no splits);
+      - a local .parquet/.json/.jsonl file (its one split is train, as datasets names it: `file@train` is allowed);
       - a local folder, `folder@split`: every such file under it whose name contains split (default train);
       - a hub dataset, `name@split`, through datasets.load_dataset (split default train).
     The prompt and answer columns must exist in every file."""
@@ -458,8 +458,8 @@ def load_rows(spec, cfg):
             raise DataError(f"'{spec}' is neither a local file or folder (looked in {os.getcwd()} and {HERE}) "
                             f"nor loadable from the hub: {e!r}") from e
     elif os.path.isfile(local):
-        if split is not None:
-            raise DataError(f"'{spec}': a file has no splits; drop '@{split}' or point at the folder")
+        if split not in (None, "train"):
+            raise DataError(f"'{spec}': a file has one split, train; drop '@{split}' or point at the folder")
         parts = [(local, _read_file(local))]
         if parts[0][1] is None:
             raise DataError(f"{local} has no rows")

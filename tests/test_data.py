@@ -242,8 +242,9 @@ def test_every_local_source_form(tmp_path, monkeypatch, toy):
     assert [train[i] for i in range(len(train))] == ROWS[:3] and [test[i] for i in range(len(test))] == ROWS[3:]
     assert test.where(1) == f"{folder / 'data' / 'test-00000.jsonl'} row 1"
     assert len(data.load_rows(str(folder), cfg)) == 3  # a folder without @split reads the train split
-    with pytest.raises(data.DataError, match="a file has no splits"):
+    with pytest.raises(data.DataError, match="a file has one split, train; drop '@test'"):
         data.load_rows(f"{tmp_path / 'set.parquet'}@test", cfg)
+    assert len(data.load_rows(f"{tmp_path / 'set.parquet'}@train", cfg)) == len(ROWS)  # as EasyR1 (datasets) reads it
     pd.DataFrame(ROWS).to_parquet(tmp_path / "set@v2.parquet")  # an @ in a file's own name is not a split
     assert len(data.load_rows(str(tmp_path / "set@v2.parquet"), cfg)) == len(ROWS)
     with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl file with 'validation'"):
