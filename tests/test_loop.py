@@ -423,6 +423,23 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
     assert [r["prompt_index"] for r in responses] == [0, 0, 1, 1]
 
 
+@pytest.mark.parametrize("filtering", [True, False])
+def test_the_round_limit_names_what_to_change(filtering):
+    """max_try_make_batch 2 and one prompt a round where 4 are wanted: the error after two rounds advises on the
+    filter only when online filtering is on; without it the rounds are few because mini_rollout_batch_size is."""
+    run = bare_run("data.rollout_batch_size=4", "data.mini_rollout_batch_size=1", "worker.rollout.n=2",
+                   "worker.actor.global_batch_size=2", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf",
+                   "trainer.max_try_make_batch=2", f"algorithm.online_filtering={str(filtering).lower()}")
+    run.train_iter = iter([[{"name": "x"}]] * 3)
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
+        {"prompt_index": 0, "uid": prompts[0]["uid"], "response_ids": [1], "j": j} for j in range(2)])
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [{"overall": float(r["j"])} for r in responses]
+    with pytest.raises(RuntimeError, match=r"2 of 4 groups after 2 generation rounds \(trainer.max_try_make_batch\); "
+                       + ("widen algorithm.filter_low" if filtering else "raise it or data.mini_rollout_batch_size")):
+        run.make_batch({})
+
+
 def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
     """Resumed at step 2 (the log cut back to rows 1 and 2), validation before training amends row 2 in place:
     each step keeps exactly one row; with no row of that step (a fresh log) it is a row of its own."""
