@@ -88,6 +88,9 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
     saved_name, tied = hf_names(hf_dir)  # in-memory HF name -> the name save_pretrained writes
     plan = lora_plan(tensors, lora) if lora else {key: (key, None) for key in tensors}
     missing, unexpected = sorted(saved_name.keys() - plan.keys()), sorted(plan.keys() - saved_name.keys() - tied)
+    if adapted_tied := sorted(name for name in tied if name in plan and plan[name][1]):
+        raise MergeError(f"--merge_lora: {adapted_tied} carry LoRA but are tied to the input embeddings, which the "
+                         f"merged model stores in their place; merge with peft's merge_and_unload() instead")
     if missing or unexpected:
         raise MergeError(f"{model_dir} does not match the model of {hf_dir}/config.json: missing tensors "
                          f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}). "

@@ -320,6 +320,24 @@ def test_lora_merged_equals_peft_merge_and_unload(toy, ckpts, tmp_path):
     assert greedy(model, inputs) == greedy(expected, inputs)
 
 
+def test_merge_lora_refuses_an_adapted_tied_head(toy, tmp_path):
+    """A tied model with LoRA on lm_head: the merged model would store the embedding in the head's place and drop
+    the head's update (logits 28 off peft's merge_and_unload in the review that found it): an error instead."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(toy["text_model"], tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, lora_alpha=8,
+                                                                                target_modules=["q_proj", "lm_head"]))
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "model"), no_dist=True)
+    config.save_pretrained(tmp_path / "huggingface")
+    model.peft_config["default"].save_pretrained(tmp_path / "huggingface")
+    with pytest.raises(merge.MergeError, match=r"\['lm_head.weight'\] carry LoRA but are tied"):
+        merge.merge_checkpoint(str(tmp_path), merge_lora=True)
+    assert not os.path.exists(tmp_path / "merged") and not os.path.exists(tmp_path / "merged.partial")
+
+
 def test_merge_formula_by_hand(tmp_path):
     """W' = W + scale * B @ A (transposed with fan_in_fan_out), scale = alpha / r or alpha / sqrt(r) (rsLoRA)."""
     w, a, b = torch.ones(2, 3), torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0], [-1.0]])
