@@ -3,9 +3,10 @@
     cfg = load_config("configs/geo3k.yaml", ["worker.rollout.n=8", "trainer.logger=[console,wandb]"])
     cfg.worker.actor.optim.lr                      # 1e-06: plain dataclasses, one per section
 
-Defaults are EasyR1's `examples/config.yaml`; configs/geo3k.yaml documents every key. load_config merges defaults
-<- YAML file <- `a.b.c=value` overrides with OmegaConf, as EasyR1: a value must fit its key's type (`n=2.5` fails),
-`a,b` sets a list key, a dict key given whole is replaced, and an unknown key names the closest valid one.
+Defaults are EasyR1's `examples/config.yaml` but for the actor's offload (off; README); configs/geo3k.yaml documents
+every key. load_config merges defaults <- YAML file <- `a.b.c=value` overrides with OmegaConf, as EasyR1: a value must
+fit its key's type (`n=2.5` fails), `a,b` sets a list key, a dict key given whole is replaced, and an unknown key
+names the closest valid one.
 check_config checks values against each other; trainer.check_choices those each stage lists in its own table.
 """
 
@@ -258,7 +259,9 @@ def check_config(cfg):
     """Checks of values against each other, before any model is loaded."""
     a, r, d, t = cfg.worker.actor, cfg.worker.rollout, cfg.data, cfg.trainer
     for key in ("data.rollout_batch_size", "data.mini_rollout_batch_size", "worker.actor.global_batch_size",
-                "worker.actor.ppo_epochs", "worker.rollout.n", "trainer.total_epochs", "trainer.max_steps",
+                "worker.actor.micro_batch_size_per_device_for_update", "worker.actor.max_tokens_per_micro_batch",
+                "worker.actor.micro_batch_size_per_device_for_experience", "worker.actor.ppo_epochs",
+                "worker.rollout.n", "worker.rollout.tensor_parallel_size", "trainer.total_epochs", "trainer.max_steps",
                 "trainer.nnodes", "trainer.n_gpus_per_node"):
         value = operator.attrgetter(key)(cfg)
         if value is not None and value < 1:

@@ -155,6 +155,10 @@ def test_print_config_and_typo_on_the_command_line(capsys):
     ("data.mini_rollout_batch_size=0", "data.mini_rollout_batch_size=0 must be at least 1"),
     ("trainer.max_steps=0", "trainer.max_steps=0 must be at least 1"),
     ("data.val_batch_size=0", "data.val_batch_size=0 must be at least 1, or -1"),
+    ("worker.actor.micro_batch_size_per_device_for_update=0", "for_update=0 must be at least 1"),  # a 0 token budget
+    ("worker.actor.micro_batch_size_per_device_for_experience=0", "for_experience=0 must be at least 1"),
+    ("worker.actor.max_tokens_per_micro_batch=-5", "max_tokens_per_micro_batch=-5 must be at least 1"),
+    ("worker.rollout.tensor_parallel_size=0", "tensor_parallel_size=0 must be at least 1"),  # was a ZeroDivisionError
 ])
 def test_zero_sizes_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
