@@ -235,9 +235,9 @@ class Run:
         return metrics
 
     def save_checkpoint(self, metrics):
-        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, then trainer_state.json (with the log's
-        size) and the tracker naming N, each atomically; then remove old checkpoints. A checkpoint counts once its
-        trainer_state.json exists; a resume cuts the log back to its saved size, so each step's row is there once."""
+        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, then trainer_state.json and the tracker
+        naming N, each atomically; then remove old checkpoints. A checkpoint counts once its trainer_state.json exists;
+        a resume cuts the log back to the rows of steps up to N (Logger.rewind), so each step's row is there once."""
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
