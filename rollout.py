@@ -32,6 +32,7 @@ steps, and a forward of the FSDP-sharded training module would deadlock in its a
 import functools
 import hashlib
 import inspect
+import os
 import warnings
 
 import torch
@@ -227,15 +228,24 @@ class VLLMRollout:
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=None):
+        self.cfg, self.max_response_length = cfg, max_response_length
+        remote = getattr(cfg, "trust_remote_code", False)
+        config, self.eos_ids, self.banned_ids, _ = _load_config(model_path, tokenizer_path, remote)
+        max_model_len = cfg.max_model_len or max_prompt_length + max_response_length
+        text = config.get_text_config()
+        context = getattr(text, "max_position_embeddings", None)
+        scaled = "factor" in (getattr(text, "rope_parameters", None) or {})  # vLLM scales the limit: its check
+        if context and max_model_len > context and not scaled and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+            keys = "worker.rollout.max_model_len" if cfg.max_model_len else \
+                "data.max_prompt_length + max_response_length"
+            raise ValueError(f"{keys} = {max_model_len} tokens exceeds the {context} positions of {model_path} "
+                             "(max_position_embeddings in its config.json), which vLLM refuses; lower it")
         try:
             import vllm
         except ImportError as error:
             raise ImportError("worker.rollout.name=vllm needs vLLM >= 0.11: pip install -r requirements-gpu.txt "
                               "(or set worker.rollout.name=hf)") from error
 
-        self.cfg, self.max_response_length = cfg, max_response_length
-        remote = getattr(cfg, "trust_remote_code", False)
-        config, self.eos_ids, self.banned_ids, _ = _load_config(model_path, tokenizer_path, remote)
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
         # limit_videos 0 (data without videos): vLLM neither profiles nor reserves memory for a video.
         limits = {"video": getattr(cfg, "limit_videos", 0)}
@@ -249,7 +259,7 @@ class VLLMRollout:
             enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len or max_prompt_length + max_response_length,
+            max_model_len=max_model_len,
             seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
             logprobs_mode="processed_logprobs", trust_remote_code=remote,  # log-probs after bias, temperature, top-k/p
             **extra)

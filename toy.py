@@ -31,7 +31,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 14
+TOY_VERSION = 15
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
@@ -140,7 +140,7 @@ QWEN_ROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24
 VL_SHAPES = {
     "toy": dict(
         text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048,
+                  num_key_value_heads=2, max_position_embeddings=32768,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
         vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
                     fullatt_block_indexes=[1]),

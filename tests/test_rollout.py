@@ -373,6 +373,26 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
     assert video.get("mm_processor_kwargs") == kwargs and "mm_processor_kwargs" not in text
 
 
+def test_vllm_refuses_a_context_longer_than_the_model_before_starting(toy, monkeypatch):
+    """prompt + response (or worker.rollout.max_model_len) beyond the model's max_position_embeddings (32768 for
+    the toy) is an error naming the keys and the model, raised before vLLM is imported (vLLM's own check fails
+    later, inside a Ray worker, as a pydantic error); VLLM_ALLOW_LONG_MAX_MODEL_LEN lets it through, as in vLLM."""
+    import sys
+
+    cases = [(config(name="vllm"), "data.max_prompt_length + max_response_length = 36864 tokens"),
+             (config(name="vllm", max_model_len=40000), "worker.rollout.max_model_len = 40000 tokens")]
+    for cfg, said in cases:
+        with pytest.raises(ValueError, match="exceeds the 32768 positions of") as error:
+            rollout.make_rollout(cfg, toy["vl_model"], max_prompt_length=32768, max_response_length=4096,
+                                 device="cuda")
+        assert said in str(error.value) and toy["vl_model"] in str(error.value)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # the import is the next thing that runs: it fails
+    with pytest.raises(ImportError, match="needs vLLM"):
+        rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=32768, max_response_length=4096,
+                             device="cuda")
+
+
 def test_sampler_draws_from_the_processed_distribution():
     """4000 rows of the same logits, each with its own generator: frequencies match softmax(z / T) with the
     banned token at 0 and top-k's dropped token at 0 (3 sigma ~ 0.023 at p = 0.5)."""
