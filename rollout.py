@@ -231,15 +231,13 @@ class VLLMRollout:
         self.cfg, self.max_response_length = cfg, max_response_length
         remote = getattr(cfg, "trust_remote_code", False)
         config, self.eos_ids, self.banned_ids, _ = _load_config(model_path, tokenizer_path, remote)
-        max_model_len = cfg.max_model_len or max_prompt_length + max_response_length
-        text = config.get_text_config()
-        context = getattr(text, "max_position_embeddings", None)
-        scaled = "factor" in (getattr(text, "rope_parameters", None) or {})  # vLLM scales the limit: its check
-        if context and max_model_len > context and not scaled and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
-            keys = "worker.rollout.max_model_len" if cfg.max_model_len else \
-                "data.max_prompt_length + max_response_length"
-            raise ValueError(f"{keys} = {max_model_len} tokens exceeds the {context} positions of {model_path} "
-                             "(max_position_embeddings in its config.json), which vLLM refuses; lower it")
+        max_model_len, text = cfg.max_model_len or max_prompt_length + max_response_length, config.get_text_config()
+        context = getattr(text, "max_position_embeddings", 0)  # with rope scaling vLLM allows more: its own check
+        if 0 < context < max_model_len and "factor" not in (getattr(text, "rope_parameters", None) or {}) \
+                and not os.getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+            raise ValueError(f"vLLM's context of {max_model_len} tokens (worker.rollout.max_model_len, else data."
+                             f"max_prompt_length + max_response_length) exceeds the {context} positions of {model_path}"
+                             " (max_position_embeddings in its config.json), which vLLM refuses; lower it")
         try:
             import vllm
         except ImportError as error:
