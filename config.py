@@ -18,8 +18,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -229,28 +230,31 @@ class ConfigError(ValueError):
 
 def load_config(path=None, overrides=()):
     """Defaults <- YAML file <- `a.b.c=value` overrides, then check_config. Raises ConfigError naming the bad key."""
-    cfg = OmegaConf.structured(Config)  # struct mode: a key that is not a field is an error
-    if path is not None:
-        path = _config_file(path)
-        tree = OmegaConf.load(path)
-        if not isinstance(tree, DictConfig):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level, got a list")
-        cfg = _merge(cfg, tree, path, replace_dicts=True)
-    for item in overrides:
-        key, equals, value = item.partition("=")
-        key = key.strip()
-        if not equals:
-            raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
-        if any(k.startswith(key + ".") for k in KEYS):
-            raise ConfigError(f"{key} is a section; set its keys ({key}.<key>=value)")
-        if KEYS.get(key) is list and not value.lstrip().startswith("["):
-            value = f"[{value}]"  # a,b,c on the command line
-        # `val_override_config={...}` replaces the dict; `val_override_config.top_p=0.9` sets one entry
-        cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), "command line", replace_dicts=key in KEYS)
     try:
+        cfg = OmegaConf.structured(Config)  # struct mode: a key that is not a field is an error
+        if path is not None:
+            path = _config_file(path)
+            tree = OmegaConf.load(path)
+            if not isinstance(tree, DictConfig):
+                raise ConfigError(f"{path}: expected a mapping of sections at the top level, got a list")
+            cfg = _merge(cfg, tree, path, replace_dicts=True)
+        for item in overrides:
+            key, equals, value = item.partition("=")
+            key = key.strip()
+            if not equals:
+                raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
+            if any(k.startswith(key + ".") for k in KEYS):
+                raise ConfigError(f"{key} is a section; set its keys ({key}.<key>=value)")
+            if KEYS.get(key) is list and not value.lstrip().startswith("["):
+                value = f"[{value}]"  # a,b,c on the command line
+            # `val_override_config={...}` replaces the dict; `val_override_config.top_p=0.9` sets one entry
+            cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), "command line", replace_dicts=key in KEYS)
         cfg = OmegaConf.to_object(cfg)  # the dataclasses, ${...} interpolations resolved
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:  # e.g. a bad ${...} interpolation in the file, an override or a default
+        literal = " (a literal ${ is written \\${)" if isinstance(e, GrammarParseError) else ""
+        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}{literal}") from None
+    except yaml.YAMLError as e:  # the file's syntax; the message says where
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
     check_config(cfg)
     return cfg
 

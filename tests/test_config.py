@@ -93,6 +93,22 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
         load_config(str(path))
 
 
+def test_broken_yaml_and_interpolations_are_config_errors(tmp_path):
+    """A YAML syntax error names the file and line; a `${` that is no interpolation, in the file or on the command
+    line, names the key and how to write it literally (both were raw tracebacks from OmegaConf)."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data:\n  system_prompt: [a\n  seed: 1\n")
+    with pytest.raises(ConfigError, match=r"(?s)broken\.yaml is not valid YAML: .*line 2"):
+        load_config(str(broken))
+    dollar = tmp_path / "dollar.yaml"
+    dollar.write_text('data:\n  system_prompt: "costs ${5"\n')
+    for path, overrides in ((str(dollar), []), (None, ["data.system_prompt=costs ${5"])):
+        with pytest.raises(ConfigError, match=re.escape("data.system_prompt: ") + ".*" +
+                           re.escape("(a literal ${ is written \\${)")):
+            load_config(path, overrides)
+    assert load_config(None, ["data.system_prompt=costs \\${5"]).data.system_prompt == "costs ${5"
+
+
 @pytest.mark.parametrize("override", ["worker.actor.optim.lr=abc", "worker.rollout.n=2.5", "algorithm.disable_kl=maybe"])
 def test_bad_value_type(override):
     with pytest.raises(ConfigError, match="expected"):
