@@ -4,7 +4,7 @@
 #   2. a random-init 3B-sized Qwen2.5-VL (python toy.py --vl-3b; RUNS=7b: the 7B-sized one, --vl-7b) on the
 #      toy colours task, its images scaled up to 512 x 512 (324 image tokens), BATCH prompts x 5 responses of up
 #      to 512 tokens per step, two updates per step, full fine-tuning (fp32 weights and AdamW state, bf16
-#      compute), a model-only save at the end.
+#      compute), a model-only save at the end (deleted after the run unless KEEP_CHECKPOINTS=1).
 # Then prints seconds per step and the per-stage timings (median over the steps after the first) of each, with
 # perf/throughput (prompt + response tokens / step seconds / GPUs, EasyR1's tokens/s/GPU), perf/mfu_actor and the
 # peak device memory of each phase (perf/peak_device_memory_gb/*), with what vLLM's sleep freed
@@ -45,6 +45,7 @@ python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS traine
     data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
     worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
     trainer.save_freq=-1 trainer.save_model_only=true ${EXTRA:-}
+[[ ${KEEP_CHECKPOINTS:-0} == 1 ]] || rm -rf $OUT/$SIZE/global_step_*  # 16 GB a 7B run: back-to-back runs fill a disk
 fi
 done
 
