@@ -242,8 +242,13 @@ class Run:
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
             shutil.rmtree(path, ignore_errors=True)  # left by a run that stopped while saving this step
-            self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
-            torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
+            try:
+                self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
+                torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
+            except (RuntimeError, OSError) as e:  # a full disk reads "unexpected pos" in torch.save
+                raise RuntimeError(f"saving the checkpoint of step {self.step} to {path} failed with "
+                                   f"{shutil.disk_usage(self.ckpt_root).free / 2**30:.1f} GiB free on its disk; "
+                                   f"the last complete checkpoint is still there: {e}") from None
         val_score, best = metrics.get("val/reward_score"), self.best["best_val_reward_score"]
         if val_score is not None and (best is None or val_score > best):
             self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}

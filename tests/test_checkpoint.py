@@ -294,6 +294,24 @@ def test_a_kill_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monk
 # Checkpoint rotation: save_limit, the best checkpoint kept
 # ----------------------------------------------------------------------------------------------
 
+def test_a_failed_save_says_where_and_how_much_disk_is_left_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """torch.save on a full disk fails as "unexpected pos 704 vs 598": the error names the step, the folder and the
+    free space; the earlier checkpoint still resumes."""
+    save_steps(tmp_path, [1])
+    run = fake_run(tmp_path, make_cfg())
+
+    def full_disk(path, model_only):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(run.workers, "save", full_disk)
+    run.step = 2
+    with pytest.raises(RuntimeError, match=r"checkpoint of step 2 to .*global_step_2 failed with [0-9.]+ GiB free "
+                                           r"on its disk; the last complete checkpoint is still there: .*unexpected"):
+        run.save_checkpoint({})
+    run.logger.close()
+    assert fake_run(tmp_path, make_cfg()).step == 1
+
+
 def folders(root):
     return sorted(int(n.split("_")[-1]) for n in os.listdir(root) if n.startswith("global_step_"))
 
