@@ -10,6 +10,7 @@ Run.train_step is the README's loop, a short block per stage; self.workers runs 
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -350,16 +351,16 @@ class Logger:
             if LOGGERS[name] and importlib.util.find_spec(LOGGERS[name]) is None:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
-        self.names, self.root = names, root
+        self.names, self.root, self.purge_step = names, root, None
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
         self.jsonl_path = self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
         _write_json_atomic(os.path.join(root, "experiment_config.json"), config)
         self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
-        if "tensorboard" in names:
+        if "tensorboard" in names:  # opened at the first row, with rewind's purge_step: a resumed step shows once
             from torch.utils.tensorboard import SummaryWriter
-            tb = SummaryWriter(os.path.join(root, "tensorboard"))
-            self.sinks.append((lambda m, step: [tb.add_scalar(k, v, step) for k, v in m.items()], tb.close))
+            tb = functools.cache(lambda: SummaryWriter(os.path.join(root, "tensorboard"), purge_step=self.purge_step))
+            self.sinks.append((lambda m, at: [tb().add_scalar(k, v, at) for k, v in m.items()], lambda: tb().close()))
         if "wandb" in names:
             import wandb
             run = wandb.init(project=t.project_name, name=t.experiment_name, config=config, resume="allow")
@@ -407,7 +408,9 @@ class Logger:
     def rewind(self, step):
         """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: a fresh
         start), saying what goes: a tail (rows are in step order) from the first row of a later step or cut short.
-        By step, not by byte size: a resumed run's validation rewrites the checkpoint's row (amend) to a new size."""
+        By step, not by byte size: a resumed run's validation rewrites the checkpoint's row (amend) to a new size.
+        TensorBoard hides its earlier events of later steps (SummaryWriter's purge_step)."""
+        self.purge_step = step + 1
         for f in (self.jsonl, self.generations):
             lines = open(f.name, "rb").readlines()
             kept = next((i for i, line in enumerate(lines) if _row_step(line) > step), len(lines))

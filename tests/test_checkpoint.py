@@ -1,8 +1,10 @@
 """Checkpoints and resume without Ray or a model: the driver's Run with fake workers that save and load a tiny
 nn.Linear through actor.Actor's own save_checkpoint / load_checkpoint (torch.distributed.checkpoint, one process)."""
 
+import importlib.machinery
 import json
 import os
+import sys
 import types
 
 import pytest
@@ -210,9 +212,9 @@ class Kill(BaseException):
     """A SIGKILL: nothing after it runs (not an Exception, so nothing catches it)."""
 
 
-def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None):
+def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None, logger=("file",)):
     """Run.fit with a fake step that logs {"run": run_id} and records the step counter it ran at."""
-    run = fake_run(root, make_cfg(save_freq=save_freq), training_steps)
+    run = fake_run(root, make_cfg(save_freq=save_freq, logger=list(logger)), training_steps)
     run.validate = lambda: {"val/reward_score": 0.0}
 
     def train_step():
@@ -278,6 +280,35 @@ def test_after_a_kill_and_a_resume_the_log_holds_each_step_once_in_order(tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["run"] for r in rows] == [1] * resumed + [2] * (6 - resumed)  # the resumed steps from the resumed run
     assert all("timing_s/save_checkpoint" in r for r in rows if r["step"] % 2 == 0)
+
+
+class TensorBoardView:
+    """What TensorBoard shows of a log folder: (step, tag) -> value. A writer opened with purge_step hides the events
+    that earlier writers wrote at steps >= purge_step (torch's SummaryWriter docstring); a stand-in for the package."""
+
+    def __init__(self):
+        self.events = []  # (step, tag, value)
+
+    def SummaryWriter(self, log_dir, purge_step=None):
+        if purge_step is not None:
+            self.events = [e for e in self.events if e[0] < purge_step]
+        return types.SimpleNamespace(add_scalar=lambda tag, value, step: self.events.append((step, tag, value)),
+                                     close=lambda: None)
+
+
+def test_after_a_kill_and_a_resume_tensorboard_shows_each_step_once(tmp_path, monkeypatch):
+    view = TensorBoardView()
+    for name, module in (("tensorboard", types.ModuleType("tensorboard")),
+                         ("torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=view.SummaryWriter))):
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    with monkeypatch.context() as patch:
+        kill_at(patch, "after the row", 3)  # steps 1-3 logged, the checkpoint of step 2 is the last one
+        with pytest.raises(Kill):
+            run_loop(tmp_path, run_id=1, logger=("file", "tensorboard"))
+    run_loop(tmp_path, run_id=2, logger=("file", "tensorboard"))
+    runs = sorted((step, value) for step, tag, value in view.events if tag == "run")
+    assert runs == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]  # step 3 once, from the resumed run
 
 
 def test_a_kill_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monkeypatch):
