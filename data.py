@@ -52,7 +52,7 @@ import numpy
 import pyarrow.compute
 import pyarrow.parquet
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers import AutoConfig, AutoModel, AutoProcessor, AutoTokenizer
 
 logger = logging.getLogger(__name__)
@@ -161,10 +161,10 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     try:  # per row: its length, or the error message of a bad row
         if workers == 1:
             lengths = [_measure_row(i) for i in range(len(rows))]
-        else:  # nothing is pickled but the indices
-            fork = multiprocessing.get_context("fork")
-            with fork.Pool(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-                lengths = pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers)))
+        else:  # nothing is pickled but the indices; a worker that dies raises BrokenProcessPool (a Pool would hang)
+            with concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("fork"),
+                                                        torch.set_num_threads, (1,)) as pool:
+                lengths = list(pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers))))
     finally:
         _MEASURING = None
     if not cfg.filter_overlong_prompts:  # an overlong row is then a bad row
@@ -274,8 +274,8 @@ class PromptBuilder:
             try:
                 out.append(fn(item, *args))
             except Exception as e:
-                key = self.cfg.image_key if kind == "image" else self.cfg.video_key
-                raise DataError(f"{where}: {kind} {k} of column '{key}' is unreadable: {e!r}") from e
+                raise DataError(f"{where}: {kind} {k} of column '{getattr(self.cfg, kind + '_key')}' is unreadable: "
+                                f"{e!r}") from e
         return out
 
     def measure(self, row, where):
@@ -328,13 +328,18 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     """An RGB PIL image with at most max_pixels and at least min_pixels pixels, aspect ratio kept.
 
     `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
-    image_dir). Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h))
-    rounds up, so the bounds hold exactly; sizes in range are kept."""
+    image_dir). Made RGB first as a viewer shows it: transparency over white (as transformers and vLLM do; PIL's
+    convert("RGB") makes it black), 16-bit grey v -> v // 257 (PIL's clips at 255: white). Scaling by
+    s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so the bounds hold
+    exactly; sizes in range are kept."""
     image = _open_image(image, image_dir)
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((numpy.asarray(image) // 257).astype(numpy.uint8))
+    if image.has_transparency_data:  # RGBA, LA, PA, or a palette's / RGB's transparent colour
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    image = image.convert("RGB") if image.mode != "RGB" else image
     size = _target_size(image.width, image.height, min_pixels, max_pixels)
-    if size != image.size:
-        image = image.resize(size)
-    return image.convert("RGB") if image.mode != "RGB" else image
+    return image.resize(size) if size != image.size else image
 
 
 def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
@@ -390,10 +395,12 @@ def _target_size(width, height, min_pixels, max_pixels):
 
 
 def _open_image(image, image_dir):
-    """A decoded PIL image from any accepted form (a truncated body fails here; a file is closed after load)."""
-    image = image if isinstance(image, Image.Image) else Image.open(_source(image, image_dir, "an image"))
-    image.load()
-    return image
+    """A decoded PIL image from any accepted form, turned upright by its EXIF orientation as a viewer (and datasets'
+    Image feature) shows it; a truncated body fails here; a file is closed once read (exif_transpose copies)."""
+    if isinstance(image, Image.Image):
+        return ImageOps.exif_transpose(image)
+    with Image.open(_source(image, image_dir, "an image")) as opened:
+        return ImageOps.exif_transpose(opened)
 
 
 def _source(item, image_dir, what="a video"):
@@ -442,7 +449,8 @@ class Rows:
 def load_rows(spec, cfg):
     """Rows of `spec`, one of:
       - a local .parquet/.json/.jsonl file (its one split is train, as datasets names it: `file@train` is allowed);
-      - a local folder, `folder@split`: every such file under it whose name contains split (default train);
+      - a local folder, `folder@split`: every such file under it with a word of its name starting with split (default
+        train): `train` takes geo_train.parquet and training-0.jsonl, not pretrain_test.parquet;
       - a hub dataset, `name@split`, through datasets.load_dataset (split default train).
     The prompt and answer columns must exist in every file."""
     if not spec:
@@ -466,9 +474,9 @@ def load_rows(spec, cfg):
     else:
         split = split or "train"
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names
-                       if os.path.splitext(f)[1] in FILE_BUILDERS and split in f)
+                       if os.path.splitext(f)[1] in FILE_BUILDERS and re.search(rf"(?<![a-zA-Z]){re.escape(split)}", f))
         if not files:
-            raise DataError(f"'{spec}': no .parquet/.json/.jsonl file with '{split}' in its name under {local}")
+            raise DataError(f"'{spec}': no .parquet/.json/.jsonl file under {local} has a name word starting '{split}'")
         parts = [(f, _read_file(f)) for f in files]
         for f in [f for f, part in parts if part is None]:
             logger.warning(f"{f} has no rows; skipped")
@@ -525,9 +533,6 @@ def _read_text(path, key):
 
 
 def _as_list(value):
-    """A column value as a list of items: None -> [], one image -> [it], a list/array -> list."""
-    if value is None:
-        return []
-    if isinstance(value, (str, bytes, dict, Image.Image)):
-        return [value]
-    return list(value)
+    """A column value as a list of items: None -> [], a list/tuple/array -> list, anything else (one image, path,
+    or a wrong value, which then fails to decode naming its row) -> [it]."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple, numpy.ndarray)) else [value]

@@ -8,7 +8,7 @@ of the model state dict, peft's names for LoRA, from any number of ranks) and <l
 tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <output> (default <local_dir>/merged, or
 <local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end:
   full model    safetensors shards split and named as save_pretrained does (Qwen2.5-VL model.language_model.layers.*
-                -> model.layers.*; a tied lm_head left out), the huggingface/ files (config.json's "dtype" if --dtype)
+                -> model.layers.*; a tied lm_head left out), the huggingface/ files (config.json's "dtype": as written)
   LoRA adapter  adapter_model.safetensors (peft's saved names), adapter_config.json (inference_mode true) and the
                 tokenizer/processor files
   --merge_lora  the full model with W <- W + scale * B @ A for every adapted linear (merged_tensor)
@@ -69,13 +69,13 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
         if adapter_only:
             write_adapter(model_dir, tensors, lora, partial, dtype)
         else:
-            write_model(model_dir, tensors, hf_dir, lora, partial, dtype, max_bytes)
+            dtype = write_model(model_dir, tensors, hf_dir, lora, partial, dtype, max_bytes)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
     shutil.copytree(hf_dir, partial, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)  # tokenizer, ...
-    if dtype is not None and not adapter_only:
+    if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") loads it unchanged
         config = {**json.load(open(os.path.join(partial, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
         json.dump(config, open(os.path.join(partial, "config.json"), "w"), indent=2, sort_keys=True)
     shutil.rmtree(output, ignore_errors=True)  # exists only with --force (check_output)
@@ -84,17 +84,18 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
 
 
 def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
-    """The full model in safetensors shards of <= max_bytes (a larger single tensor gets its own shard)."""
-    saved_name, tied = hf_names(hf_dir)  # in-memory HF name -> the name save_pretrained writes
+    """The full model in safetensors shards of <= max_bytes (a larger single tensor gets its own shard) -> its dtype."""
+    saved_name, tied, shapes = hf_names(hf_dir)  # in-memory HF name -> the name save_pretrained writes
     plan = lora_plan(tensors, lora) if lora else {key: (key, None) for key in tensors}
     missing, unexpected = sorted(saved_name.keys() - plan.keys()), sorted(plan.keys() - saved_name.keys() - tied)
+    wrong = sorted(name for name in saved_name.keys() & plan.keys() if tensors[plan[name][0]].size != shapes[name])
     if adapted_tied := sorted(name for name in tied if name in plan and plan[name][1]):
         raise MergeError(f"--merge_lora: {adapted_tied} carry LoRA but are tied to the input embeddings, which the "
                          f"merged model stores in their place; merge with peft's merge_and_unload() instead")
-    if missing or unexpected:
+    if missing or unexpected or wrong:
         raise MergeError(f"{model_dir} does not match the model of {hf_dir}/config.json: missing tensors "
-                         f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}). "
-                         f"Is huggingface/ from the same run as model/?")
+                         f"{missing[:5]} ({len(missing)}), unexpected tensors {unexpected[:5]} ({len(unexpected)}), "
+                         f"tensors of another shape {wrong[:5]} ({len(wrong)}). Is huggingface/ from the same run?")
     stored = {name: tensors[plan[name][0]] for name in saved_name}  # in the model's order
     written = {n: torch.empty(s.size, dtype=dtype or s.properties.dtype, device="meta") for n, s in stored.items()}
     split = split_torch_state_dict_into_shards(written, max_shard_size=max_bytes)  # as save_pretrained splits
@@ -108,6 +109,7 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
         weight_map = {saved_name[name]: file for name, file in split.tensor_to_filename.items()}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": split.metadata, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return next(t.dtype for t in written.values() if t.is_floating_point())  # save_pretrained's model.dtype
 
 
 def merged_tensor(loaded, key, lora):
@@ -173,8 +175,9 @@ def check_checkpoint(local_dir):
 
 
 def check_output(output, local_dir, force):
-    """Not the checkpoint, a folder above it, or a folder inside its model/ or huggingface/."""
-    ins = [os.path.join(local_dir, "model"), os.path.join(local_dir, "huggingface")]
+    """Not the checkpoint, a folder above it, or inside what Actor.save_checkpoint wrote there (symlinks resolved)."""
+    output, local_dir = os.path.realpath(output), os.path.realpath(local_dir)
+    ins = [os.path.join(local_dir, name) for name in ("model", "optim", "extra_state.pt", "huggingface")]
     if (local_dir + os.sep).startswith(output + os.sep) or any((output + os.sep).startswith(p + os.sep) for p in ins):
         raise MergeError(f"--output {output} would overwrite the checkpoint {local_dir}; choose another folder")
     if os.path.exists(output) and not force:
@@ -184,11 +187,12 @@ def check_output(output, local_dir, force):
 def read_metadata(model_dir):
     """{checkpoint key: TensorStorageMetadata (.size, .properties.dtype)}, after checking that every .distcp
     file the metadata points into (one per saving rank) exists and is long enough."""
-    metadata = dcp.FileSystemReader(model_dir).read_metadata()
-    needed = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, nbytes in sorted(needed.items()):
+    try:
+        metadata = dcp.FileSystemReader(model_dir).read_metadata()
+    except Exception as e:  # an empty or cut file: pickle's EOFError / UnpicklingError
+        raise MergeError(f"{model_dir}/.metadata cannot be read ({e!r}); copy it again from where the run saved it")
+    ends = sorted((info.relative_path, info.offset + info.length) for info in metadata.storage_data.values())
+    for name, nbytes in dict(ends).items():  # each file's largest end (the last of its sorted pairs)
         path = os.path.join(model_dir, name)
         if not os.path.exists(path):
             raise MergeError(f"{path} is missing: {model_dir}/.metadata lists it (each saving rank writes one). Copy "
@@ -196,8 +200,7 @@ def read_metadata(model_dir):
         if os.path.getsize(path) < nbytes:
             raise MergeError(f"{path} is truncated ({os.path.getsize(path)} bytes, the metadata needs {nbytes}); "
                              f"copy it again from where the run saved it")
-    not_tensors = [key for key, meta in metadata.state_dict_metadata.items() if not hasattr(meta, "size")]
-    if not_tensors:
+    if not_tensors := [key for key, meta in metadata.state_dict_metadata.items() if not hasattr(meta, "size")]:
         raise MergeError(f"{model_dir} holds non-tensor entries {not_tensors[:5]}; it must hold the model state dict")
     return metadata.state_dict_metadata
 
@@ -211,8 +214,8 @@ def read_tensors(model_dir, tensors, keys):
 
 
 def hf_names(hf_dir):
-    """({in-memory name: saved name}, tied in-memory names), from the model built on the meta device and
-    transformers' own revert_weight_conversion (what save_pretrained applies before writing)."""
+    """({in-memory name: saved name}, tied in-memory names, {in-memory name: shape}), from the model built on the
+    meta device and transformers' own revert_weight_conversion (what save_pretrained applies before writing)."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     cls = getattr(transformers, (config.architectures or ["(none)"])[0], None)  # the class the run trained
     if cls is None:
@@ -226,7 +229,7 @@ def hf_names(hf_dir):
     if None in saved or len(saved) != len(probes):
         raise MergeError(f"{type(model).__name__} saves fused or split tensors (a transformers conversion op); "
                          f"merge.py writes renamed tensors only")
-    return saved, tied
+    return saved, tied, {name: tensor.shape for name, tensor in model.state_dict().items()}
 
 
 def cast(tensor, dtype):
@@ -236,10 +239,10 @@ def cast(tensor, dtype):
 def parse_size(size):
     """2000000000, "2GB", "500MB", "1.5GiB" -> bytes (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    match = re.fullmatch(r"([\d.]+)\s*([a-z]*)", str(size).strip(), re.IGNORECASE)
-    if not match or match.group(2).upper() not in units or float(match.group(1)) <= 0:
+    match = re.fullmatch(r"(\d+\.?\d*|\.\d+)\s*([a-z]*)", str(size).strip(), re.IGNORECASE)
+    if (nbytes := int(float(match.group(1)) * units.get(match.group(2).upper(), 0)) if match else 0) < 1:
         raise MergeError(f"max_shard_size {size!r} is not a size such as 2GB, 500MB or 1000000")
-    return int(float(match.group(1)) * units[match.group(2).upper()])
+    return nbytes
 
 
 def adapter_name(keys):

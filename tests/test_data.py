@@ -97,71 +97,6 @@ def forward(model, prompt):
                      **prompt["multi_modal_inputs"]).logits[0]
 
 
-# ---------------------------------------------------------------------------------------------- images
-
-def test_process_image_bounds_and_aspect(tmp_path):
-    # Hand-computed: 400x200 down to 12544 px: s = sqrt(12544/80000) = 0.39598 -> 158.4 x 79.2 -> floor.
-    big = data.process_image(Image.new("RGBA", (400, 200)), 3136, 12544)
-    assert big.size == (158, 79) and big.mode == "RGB"
-    # 10x30 up to 3136 px: s = sqrt(3136/300) = 3.2332 -> 32.3 x 97.0 -> ceil 33 x 97 (3201 >= 3136).
-    small = data.process_image(Image.new("L", (10, 30)), 3136, 12544)
-    assert small.size == (33, 97) and small.mode == "RGB"
-    assert data.process_image(Image.new("RGB", (56, 56)), 3136, 12544).size == (56, 56)  # in range: kept
-    rng = random.Random(0)
-    for _ in range(200):
-        w, h = rng.randint(8, 900), rng.randint(8, 900)
-        out = data.process_image(Image.new("RGB", (w, h)), 3136, 12544)
-        area = out.width * out.height
-        assert 3136 <= area <= 12544 or (3136 <= w * h <= 12544 and out.size == (w, h))
-        assert abs(out.width / out.height - w / h) <= (w / h) * 2.5 / min(out.size), (w, h, out.size)
-
-
-def test_process_image_accepts_every_form(tmp_path):
-    raw = png(60, 40, (10, 200, 30))
-    (tmp_path / "a.png").write_bytes(raw)
-    reference = data.process_image(Image.open(io.BytesIO(raw)), 1000, 100000)
-    forms = [raw, {"bytes": raw, "path": None}, {"bytes": None, "path": str(tmp_path / "a.png")},
-             str(tmp_path / "a.png")]
-    for form in forms:
-        out = data.process_image(form, 1000, 100000)
-        assert out.size == (60, 40) and out.tobytes() == reference.tobytes()
-    assert data.process_image("a.png", 1000, 100000, image_dir=str(tmp_path)).tobytes() == reference.tobytes()
-    with pytest.raises(TypeError, match="an image must be"):
-        data.process_image(42, 1000, 100000)
-
-
-# ---------------------------------------------------------------------------------------------- videos
-
-def test_sample_frame_indices_by_hand():
-    # T = total / rate * fps, clamped to [min(4, total), min(768, total)], down to even; round(linspace(0, N-1, T)).
-    assert data.sample_frame_indices(8, 4.0, 2.0) == [0, 2, 5, 7]                    # 4 frames: 0, 2.33, 4.67, 7
-    assert data.sample_frame_indices(100, 25.0, 2.0) == [0, 14, 28, 42, 57, 71, 85, 99]  # 8: steps of 14.14
-    assert data.sample_frame_indices(6, 30.0, 2.0) == [0, 2, 3, 5]                   # 0.4 -> at least 4
-    assert data.sample_frame_indices(50, 10.0, 1.4) == [0, 10, 20, 29, 39, 49]      # 7 -> 6 (even)
-    assert data.sample_frame_indices(3, 30.0, 2.0) == [0, 2]                         # 3 frames -> 2
-    assert data.sample_frame_indices(1, 30.0, 2.0) == [0]
-    assert len(data.sample_frame_indices(10000, 1.0, 2.0)) == 768
-
-
-def test_process_video_decodes_samples_and_resizes(tmp_path):
-    raw = clip(8, size=(200, 100), fps=4)
-    (tmp_path / "c.mp4").write_bytes(raw)
-    frames, metadata = data.process_video(raw, 3136, 12544, 2.0)
-    # 8 frames at 4 fps sampled at 2 fps: frames 0, 2, 5, 7; 200x100 down to 12544 px as an image: 158 x 79.
-    assert frames.shape == (4, 79, 158, 3) and frames.dtype.name == "uint8"
-    assert metadata == {"fps": 4.0, "duration": 2.0, "total_num_frames": 8, "frames_indices": [0, 2, 5, 7],
-                        "video_backend": "pyav"}
-    centre = torch.tensor(frames[:, 40, 79].astype("int64"))
-    expected = torch.tensor([COLOR_LIST[i] for i in (0, 2, 5, 7)])
-    assert (centre - expected).abs().max() <= 12  # lossy MPEG-4: within a few levels
-    path = str(tmp_path / "c.mp4")
-    for form in ({"bytes": raw, "path": None}, {"bytes": None, "path": path}, path):
-        assert (data.process_video(form, 3136, 12544, 2.0)[0] == frames).all()
-    assert (data.process_video("c.mp4", 3136, 12544, 2.0, image_dir=str(tmp_path))[0] == frames).all()
-    small, _ = data.process_video(clip(4, size=(20, 20), fps=2), 3136, 12544, 2.0)  # up to 3136 px: 56 x 56
-    assert small.shape == (4, 56, 56, 3)
-
-
 def test_video_and_image_prompt_matches_processor_rope_and_forward(toy, vl, model, processor):
     raw = clip(8, fps=4)
     row = {"problem": "<video>Which colour comes first? <image>", "answer": "red", "videos": [raw],
@@ -247,11 +182,24 @@ def test_every_local_source_form(tmp_path, monkeypatch, toy):
     assert len(data.load_rows(f"{tmp_path / 'set.parquet'}@train", cfg)) == len(ROWS)  # as EasyR1 (datasets) reads it
     pd.DataFrame(ROWS).to_parquet(tmp_path / "set@v2.parquet")  # an @ in a file's own name is not a split
     assert len(data.load_rows(str(tmp_path / "set@v2.parquet"), cfg)) == len(ROWS)
-    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl file with 'validation'"):
+    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl file under .* name word starting 'validation'"):
         data.load_rows(f"{folder}@validation", cfg)
     # The repo-relative toy path resolves from any working directory.
     monkeypatch.chdir(tmp_path)
     assert len(data.load_rows(".toy/colors@test", cfg)) == 64
+
+
+def test_a_folder_split_is_a_word_of_the_file_name_not_any_substring(tmp_path):
+    """folder@train must not read pretrain_test.parquet (nor @test contest_train.jsonl): test rows in training."""
+    pd.DataFrame(ROWS[:2]).to_parquet(tmp_path / "geo_train.parquet")
+    pd.DataFrame(ROWS[2:3]).to_parquet(tmp_path / "pretrain_test.parquet")
+    with open(tmp_path / "contest_train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in ROWS[3:])
+    train, test = data.load_rows(f"{tmp_path}@train", config()), data.load_rows(f"{tmp_path}@test", config())
+    assert [p for p, _ in train.parts] == [str(tmp_path / "contest_train.jsonl"), str(tmp_path / "geo_train.parquet")]
+    assert [p for p, _ in test.parts] == [str(tmp_path / "pretrain_test.parquet")] and test[0] == ROWS[2]
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "training-00000.parquet")  # a word starting with the split still counts
+    assert len(data.load_rows(f"{tmp_path}@train", config())) == 2 + 2 + len(ROWS)
 
 
 def test_an_empty_file_has_no_rows(tmp_path):
@@ -517,6 +465,23 @@ def test_rows_are_measured_in_filter_overlong_prompts_workers_processes(tmp_path
         data.check_rows(source, vl, workers=3)
 
 
+def test_a_measuring_process_that_dies_is_an_error_not_a_hang(tmp_path, vl, monkeypatch):
+    """A worker killed mid-measure (the OOM killer, a crash in a decoder): start-up fails at once; a
+    multiprocessing.Pool would wait for the lost rows forever."""
+    pd.DataFrame([{"problem": f"What is {i}?", "answer": "7"} for i in range(8)]).to_parquet(tmp_path / "d.parquet")
+    source, measure, parent = data.load_rows(str(tmp_path / "d.parquet"), config()), data.PromptBuilder.measure, \
+        os.getpid()
+    monkeypatch.setattr(data.PromptBuilder, "measure", lambda self, row, where: os._exit(9) if where.endswith(
+        "row 3") and os.getpid() != parent else measure(self, row, where))
+    errors = []
+    check = threading.Thread(target=lambda: errors.append(pytest.raises(Exception, data.check_rows, source, vl, 2)),
+                             daemon=True)
+    check.start()
+    check.join(30)
+    assert not check.is_alive(), "check_rows hangs on a dead worker"
+    assert "terminated abruptly" in str(errors[0].value)
+
+
 # --------------------------------------------------------------------------------------------- loader
 
 def test_loader_epochs_shuffle_and_exact_resume(tmp_path, toy):
@@ -634,6 +599,17 @@ def test_bad_row_is_an_error_naming_file_and_row(case, tmp_path, vl):
     with pytest.raises(data.DataError, match=pattern):
         data.check_rows(rows, vl)
     assert data.check_rows(rows, vl, skip_bad=True) == [0]
+
+
+def test_an_image_column_of_numbers_is_a_bad_row_not_a_type_error(tmp_path, toy):
+    """data.image_key set to a numeric column (an image id): a DataError naming the row and column, or a skip."""
+    pd.DataFrame([{"problem": "<image>Q?", "answer": "a", "image_id": 7}] * 2).to_parquet(tmp_path / "ids.parquet")
+    cfg = config(image_key="image_id")
+    rows, ids = data.load_rows(str(tmp_path / "ids.parquet"), cfg), builder(toy["vl_model"], cfg)
+    with pytest.raises(data.DataError, match=r"ids.parquet row 1: image 0 of column 'image_id' is unreadable.*int"):
+        ids.build(rows[1], 1, rows.where(1))
+    with pytest.raises(data.DataError, match=r"ids.parquet row 0: image 0 of column 'image_id'"):
+        data.check_rows(rows, ids)
 
 
 def test_missing_column_and_images_for_a_text_model(tmp_path, toy):

@@ -275,6 +275,35 @@ def test_text_model_with_and_without_tied_embeddings(toy, tmp_path, tied):
     assert greedy(merged, {"input_ids": ids}) == greedy(model.eval(), {"input_ids": ids})
 
 
+def text_checkpoint(toy, actor, stored=torch.float32, config_dtype="float32"):
+    """An actor dir of the toy text model: weights stored in `stored`, huggingface/config.json saying `config_dtype`
+    (a base model's config: Qwen's say bfloat16 while the actor's fp32 master weights are what it saves)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(toy["text_model"])).to(stored)
+    dcp.save(model.state_dict(), checkpoint_id=str(actor / "model"), no_dist=True)
+    write_hf_dir(toy["text_model"], str(actor / "huggingface"))
+    AutoConfig.from_pretrained(toy["text_model"], dtype=config_dtype).save_pretrained(actor / "huggingface")
+    return model
+
+
+@pytest.mark.parametrize("stored, config_dtype", [(torch.float32, "bfloat16"), (torch.bfloat16, "float32")])
+def test_config_dtype_is_the_dtype_written(toy, tmp_path, stored, config_dtype):
+    """No --dtype: the stored weights are written, and config.json says their dtype (as save_pretrained does), so
+    from_pretrained's default dtype="auto" loads them unchanged (a base config's bfloat16 cast an fp32 run down)."""
+    from transformers import AutoModelForCausalLM
+
+    model = text_checkpoint(toy, tmp_path / "actor", stored, config_dtype)
+    out = merge.merge_checkpoint(str(tmp_path / "actor"))
+    model.save_pretrained(tmp_path / "reference")
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == str(stored).removeprefix("torch.") == \
+        json.load(open(tmp_path / "reference" / "config.json"))["dtype"]
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert merged.dtype == stored
+    assert_same_state(merged.state_dict(), model.state_dict())
+
+
 # ---------------------------------------------------------------------------------------------- LoRA
 
 @pytest.mark.slow
@@ -410,6 +439,57 @@ def test_bad_inputs_give_clear_errors(toy, ckpts, tmp_path):
     assert (existing / "old.txt").read_text() == "keep me"
     merge.merge_checkpoint(ckpts["vl"], output=str(existing), force=True)
     assert not (existing / "old.txt").exists() and (existing / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("length", [0, 50])
+def test_unreadable_metadata_is_an_error_naming_it(toy, tmp_path, length):
+    """An empty or cut .metadata (a copy that stopped, a full disk): one MergeError naming the file, not pickle's."""
+    text_checkpoint(toy, tmp_path / "actor")
+    with open(tmp_path / "actor" / "model" / ".metadata", "r+b") as f:
+        f.truncate(length)
+    with pytest.raises(merge.MergeError, match=r"actor/model/.metadata cannot be read"):
+        merge.merge_checkpoint(str(tmp_path / "actor"))
+    assert sorted(os.listdir(tmp_path / "actor")) == ["huggingface", "model"]
+
+
+def test_config_of_other_shapes_is_an_error(toy, tmp_path):
+    """huggingface/config.json with the same tensor names but other shapes (here intermediate_size): an error naming
+    the tensors, not a folder that from_pretrained then refuses ("size mismatch")."""
+    from transformers import AutoConfig
+
+    text_checkpoint(toy, tmp_path / "actor")
+    config = AutoConfig.from_pretrained(toy["text_model"], intermediate_size=96)
+    config.save_pretrained(tmp_path / "actor" / "huggingface")
+    with pytest.raises(merge.MergeError, match=r"does not match the model of .*config.json: .*tensors of another shape "
+                                               r"\['model.layers.0.mlp.down_proj.weight'.* \(6\)"):
+        merge.merge_checkpoint(str(tmp_path / "actor"))
+    assert sorted(os.listdir(tmp_path / "actor")) == ["huggingface", "model"]
+
+
+def test_force_never_replaces_any_part_of_the_checkpoint(toy, tmp_path):
+    """--force replaces an old output, never the optimizer state or extra_state.pt the actor saved next to model/,
+    nor the checkpoint reached through a symlinked folder."""
+    actor = tmp_path / "real" / "actor"
+    text_checkpoint(toy, actor)
+    (actor / "optim").mkdir()
+    (actor / "optim" / "__0_0.distcp").write_text("optimizer state")
+    (actor / "extra_state.pt").write_text("steps")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for output in (actor / "optim", actor / "optim" / "sub", actor / "extra_state.pt", tmp_path / "link" / "actor",
+                   tmp_path / "link" / "actor" / "model"):
+        with pytest.raises(merge.MergeError, match="would overwrite the checkpoint"):
+            merge.merge_checkpoint(str(actor), output=str(output), force=True)
+    assert sorted(os.listdir(actor)) == ["extra_state.pt", "huggingface", "model", "optim"]
+    assert (actor / "optim" / "__0_0.distcp").read_text() == "optimizer state"
+    assert (actor / "extra_state.pt").read_text() == "steps"
+
+
+def test_max_shard_size_parsing():
+    assert merge.parse_size("2GB") == 2 * 10**9 and merge.parse_size("1.5GiB") == 3 * 2**29
+    assert merge.parse_size(" 500 mb ") == merge.parse_size(".5GB") == 5 * 10**8 and merge.parse_size(1000) == 1000
+    for bad in ("1.5.GB", ".", "0.1", "0", "-1GB", "2 parsecs", "GB"):
+        with pytest.raises(merge.MergeError, match="is not a size such as 2GB"):
+            merge.parse_size(bad)
 
 
 @pytest.mark.slow

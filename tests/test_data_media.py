@@ -1,0 +1,124 @@
+"""data.py's images and videos alone: sizes by hand, every accepted form, colours as a viewer shows them, files
+closed, frames sampled and decoded (the prompts that carry them: test_data.py)."""
+
+import io
+import os
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+import data
+from test_data import COLOR_LIST, clip, png, vl  # noqa: F401 (vl: a fixture)
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+def test_process_image_bounds_and_aspect(tmp_path):
+    # Hand-computed: 400x200 down to 12544 px: s = sqrt(12544/80000) = 0.39598 -> 158.4 x 79.2 -> floor.
+    big = data.process_image(Image.new("RGBA", (400, 200)), 3136, 12544)
+    assert big.size == (158, 79) and big.mode == "RGB"
+    # 10x30 up to 3136 px: s = sqrt(3136/300) = 3.2332 -> 32.3 x 97.0 -> ceil 33 x 97 (3201 >= 3136).
+    small = data.process_image(Image.new("L", (10, 30)), 3136, 12544)
+    assert small.size == (33, 97) and small.mode == "RGB"
+    assert data.process_image(Image.new("RGB", (56, 56)), 3136, 12544).size == (56, 56)  # in range: kept
+    rng = random.Random(0)
+    for _ in range(200):
+        w, h = rng.randint(8, 900), rng.randint(8, 900)
+        out = data.process_image(Image.new("RGB", (w, h)), 3136, 12544)
+        area = out.width * out.height
+        assert 3136 <= area <= 12544 or (3136 <= w * h <= 12544 and out.size == (w, h))
+        assert abs(out.width / out.height - w / h) <= (w / h) * 2.5 / min(out.size), (w, h, out.size)
+
+
+def test_process_image_accepts_every_form(tmp_path):
+    raw = png(60, 40, (10, 200, 30))
+    (tmp_path / "a.png").write_bytes(raw)
+    reference = data.process_image(Image.open(io.BytesIO(raw)), 1000, 100000)
+    forms = [raw, {"bytes": raw, "path": None}, {"bytes": None, "path": str(tmp_path / "a.png")},
+             str(tmp_path / "a.png")]
+    for form in forms:
+        out = data.process_image(form, 1000, 100000)
+        assert out.size == (60, 40) and out.tobytes() == reference.tobytes()
+    assert data.process_image("a.png", 1000, 100000, image_dir=str(tmp_path)).tobytes() == reference.tobytes()
+    with pytest.raises(TypeError, match="an image must be"):
+        data.process_image(42, 1000, 100000)
+
+
+def encoded(image, format="PNG", **kw):
+    buf = io.BytesIO()
+    image.save(buf, format=format, **kw)
+    return buf.getvalue()
+
+
+def test_transparent_16_bit_and_rotated_images_keep_what_a_viewer_shows(tmp_path, vl):
+    """A black drawing on a transparent background stays a drawing (over white, as transformers' and vLLM's own
+    RGB conversions do; PIL's convert makes it all black); 16-bit grey keeps its levels (v / 257; PIL clips at
+    255: white); a photo with EXIF orientation 6 (stored 90 degrees anticlockwise) is turned upright."""
+    rgba = Image.new("RGBA", (60, 60), (0, 0, 0, 0))
+    rgba.paste((0, 0, 0, 255), (20, 0, 40, 60))  # an opaque black bar, x in [20, 40)
+    palette = Image.new("P", (60, 60), 0)
+    palette.putpalette([0, 0, 0, 0, 0, 0])
+    palette.paste(1, (20, 0, 40, 60))
+    for image in (rgba, rgba.convert("LA"), encoded(rgba), encoded(palette, transparency=0)):
+        out = data.process_image(image, 1000, 100000)
+        assert out.mode == "RGB" and out.getpixel((5, 5)) == (255, 255, 255) and out.getpixel((30, 5)) == (0, 0, 0)
+    grey = Image.fromarray(torch.tensor([[128 * 257, 65535, 0, 257]] * 60, dtype=torch.uint16).repeat(1, 15).numpy())
+    assert grey.mode == "I;16"
+    out = data.process_image(encoded(grey), 1000, 100000)
+    assert [out.getpixel((x, 0)) for x in range(4)] == [(128,) * 3, (255,) * 3, (0,) * 3, (1,) * 3]
+    photo = Image.new("RGB", (120, 60), (255, 0, 0))  # as stored: left half red, right half blue
+    photo.paste((0, 0, 255), (60, 0, 120, 60))
+    exif = photo.getexif()
+    exif[0x0112] = 6  # orientation 6: shown turned 90 degrees clockwise, the stored left edge on top
+    raw = encoded(photo, "JPEG", exif=exif, quality=95)
+    out = data.process_image(raw, 1000, 100000)
+    assert out.size == (60, 120)
+    assert max(abs(a - b) for a, b in zip(out.getpixel((30, 20)), (255, 0, 0))) <= 8  # top: red
+    assert max(abs(a - b) for a, b in zip(out.getpixel((30, 100)), (0, 0, 255))) <= 8  # bottom: blue
+    row = {"problem": "<image>Which colour is on top?", "answer": "red", "images": [raw]}
+    prompt = vl.build(row, 0, "r0")
+    assert prompt["images"][0].size == (60, 120)  # 7200 px: in [3136, 12544], kept
+    assert vl.measure(row, "r0") == len(prompt["prompt_ids"])
+
+
+def test_an_image_file_is_closed_once_read(tmp_path):
+    """A multi-page RGB TIFF in range is returned as opened: its file must not stay open with the prompt."""
+    pages = [Image.new("RGB", (60, 60), c) for c in ((255, 0, 0), (0, 255, 0))]
+    pages[0].save(tmp_path / "p.tiff", save_all=True, append_images=pages[1:])
+    before = len(os.listdir("/proc/self/fd"))
+    kept = [data.process_image(str(tmp_path / "p.tiff"), 1000, 100000) for _ in range(3)]
+    assert len(os.listdir("/proc/self/fd")) == before and kept[0].getpixel((0, 0)) == (255, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------- videos
+
+def test_sample_frame_indices_by_hand():
+    # T = total / rate * fps, clamped to [min(4, total), min(768, total)], down to even; round(linspace(0, N-1, T)).
+    assert data.sample_frame_indices(8, 4.0, 2.0) == [0, 2, 5, 7]                    # 4 frames: 0, 2.33, 4.67, 7
+    assert data.sample_frame_indices(100, 25.0, 2.0) == [0, 14, 28, 42, 57, 71, 85, 99]  # 8: steps of 14.14
+    assert data.sample_frame_indices(6, 30.0, 2.0) == [0, 2, 3, 5]                   # 0.4 -> at least 4
+    assert data.sample_frame_indices(50, 10.0, 1.4) == [0, 10, 20, 29, 39, 49]      # 7 -> 6 (even)
+    assert data.sample_frame_indices(3, 30.0, 2.0) == [0, 2]                         # 3 frames -> 2
+    assert data.sample_frame_indices(1, 30.0, 2.0) == [0]
+    assert len(data.sample_frame_indices(10000, 1.0, 2.0)) == 768
+
+
+def test_process_video_decodes_samples_and_resizes(tmp_path):
+    raw = clip(8, size=(200, 100), fps=4)
+    (tmp_path / "c.mp4").write_bytes(raw)
+    frames, metadata = data.process_video(raw, 3136, 12544, 2.0)
+    # 8 frames at 4 fps sampled at 2 fps: frames 0, 2, 5, 7; 200x100 down to 12544 px as an image: 158 x 79.
+    assert frames.shape == (4, 79, 158, 3) and frames.dtype.name == "uint8"
+    assert metadata == {"fps": 4.0, "duration": 2.0, "total_num_frames": 8, "frames_indices": [0, 2, 5, 7],
+                        "video_backend": "pyav"}
+    centre = torch.tensor(frames[:, 40, 79].astype("int64"))
+    expected = torch.tensor([COLOR_LIST[i] for i in (0, 2, 5, 7)])
+    assert (centre - expected).abs().max() <= 12  # lossy MPEG-4: within a few levels
+    path = str(tmp_path / "c.mp4")
+    for form in ({"bytes": raw, "path": None}, {"bytes": None, "path": path}, path):
+        assert (data.process_video(form, 3136, 12544, 2.0)[0] == frames).all()
+    assert (data.process_video("c.mp4", 3136, 12544, 2.0, image_dir=str(tmp_path))[0] == frames).all()
+    small, _ = data.process_video(clip(4, size=(20, 20), fps=2), 3136, 12544, 2.0)  # up to 3136 px: 56 x 56
+    assert small.shape == (4, 56, 56, 3)
