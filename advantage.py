@@ -85,14 +85,13 @@ def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False)
 def remax(scores, uids, baselines):
     """ReMax (arXiv 2310.10505): A_i = r_i - b_i, b_i the reward of the greedy response to i's prompt.
     baselines [N]: b_i for every response (the same value within a group; checked)."""
-    x = as_scores(scores, uids)                                            # [N] f64
     if baselines is None:
         raise ValueError("remax needs baselines: the reward of a greedy (temperature 0) response per prompt")
     b = group_stats(baselines, uids, allow_singletons=True, what="baseline")
     if not b.flat.all():
         uid = b.names[torch.nonzero(~b.flat)[0].item()]
         raise ValueError(f"remax: the baselines of group uid={uid!r} differ; a prompt has one greedy-response reward")
-    return (x - b.x).float()
+    return (as_scores(scores, uids) - b.x).float()
 
 
 TOKEN_LEVEL = {"reinforce_plus_plus"}  # estimators that return one advantage per token
@@ -151,6 +150,8 @@ def token_rewards(scores, lengths, token_kl=None, beta=0.0):
             raise ValueError(f"response {i}: token_kl has {len(kl)} values for {n} response tokens")
         r = -beta * kl.to("cpu", torch.float64)                                         # [L_i]
         r[-1] += x[i]
+        if not torch.isfinite(r).all():  # a NaN would reach every token's advantage through the whitening
+            raise ValueError(f"response {i}: score {x[i].item()} - beta {beta} * token_kl has NaN or inf values")
         rewards.append(r)
     return rewards
 
@@ -209,10 +210,9 @@ def as_scores(scores, uids, what="score"):
     x = torch.as_tensor(scores, dtype=torch.float64, device="cpu").detach()
     if x.dim() != 1 or len(x) != len(uids):
         raise ValueError(f"{what}s have shape {tuple(x.shape)} but there are {len(uids)} uids; both must be [N]")
-    bad = torch.nonzero(~torch.isfinite(x)).flatten()
-    if len(bad):
-        i = bad[0].item()
-        raise ValueError(f"{what} {x[i].item()} at position {i} (uid {uids[i]!r}) is not finite; "
+    bad = torch.nonzero(~torch.isfinite(x)).flatten().tolist()
+    if bad:
+        raise ValueError(f"{what} {x[bad[0]].item()} at position {bad[0]} (uid {uids[bad[0]]!r}) is not finite; "
                          f"{len(bad)} of {len(x)} {what}s are NaN or inf")
     return x
 

@@ -16,12 +16,15 @@ A user's file sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwar
 "sequential" (fn(input, **kwargs) -> dict, as the built-ins).
 """
 
+import contextlib
+import copy
 import importlib.util
 import inspect
 import math
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import threading
 import traceback
@@ -109,10 +112,8 @@ class RewardFunction:
                                          f"every sample must return the same keys")
         scores = {}
         for key, value in result.items():
-            try:
-                if isinstance(value, (str, bytes)):  # float("1.0") works, but a string is a bug
-                    raise TypeError
-                scores[key] = float(value)
+            try:  # float("1.0") works, but a string is a bug
+                scores[key] = float(None if isinstance(value, (str, bytes)) else value)
             except (TypeError, ValueError):
                 raise self._error(inputs, i, f"returned {key!r} = {value!r}, which is not a number") from None
             if not math.isfinite(scores[key]):
@@ -123,7 +124,8 @@ class RewardFunction:
         """fn on inputs[i] (in a list of one for a batch function), or on all inputs when i is None; in this
         process or, with a call_timeout, in the reward process under the limit. A RewardError if it raises,
         times out or ends the process."""
-        arg = list(inputs) if i is None else [inputs[i]] if self.reward_type == "batch" else inputs[i]
+        arg = [copy.deepcopy(x) for x in (inputs if i is None else inputs[i:i + 1])]  # each sample its own copy,
+        arg = arg[0] if i is not None and self.reward_type == "sequential" else arg  # as in the reward process
         if self.call_timeout is None:
             try:
                 return self.fn(arg, **self.kwargs)
@@ -158,18 +160,18 @@ class RewardFunction:
                 self._call(inputs, j)
             return RewardError(f"reward function {self.name!r} {what} on a batch of {len(inputs)} "
                                f"(no single sample fails alone)")
-        sample = inputs[i]
         return RewardError(f"reward function {self.name!r} {what} on sample {i} "
-                           f"(ground_truth={sample.get('ground_truth')!r}, response starts "
-                           f"{str(sample.get('response'))[:200]!r}). Fix the function so it returns a dict of "
+                           f"(ground_truth={inputs[i].get('ground_truth')!r}, response starts "
+                           f"{str(inputs[i].get('response'))[:200]!r}). Fix the function so it returns a dict of "
                            f"finite floats with 'overall' for every sample.")
 
     def _start(self):
         context = multiprocessing.get_context("fork")
         pipe, child_end = context.Pipe()
-        process = context.Process(target=_serve, args=(self.fn, self.kwargs, child_end), daemon=True,
+        process = context.Process(target=_serve, args=(self.fn, self.kwargs, child_end, pipe), daemon=True,
                                   name=f"reward {self.name}")
         process.start()
+        os.setpgid(process.pid, process.pid)  # its own process group, which close() kills: what fn started too
         child_end.close()
         self._worker = (process, pipe)
 
@@ -178,15 +180,17 @@ class RewardFunction:
         if self._worker is not None:
             (process, pipe), self._worker = self._worker, None
             pipe.close()
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):  # the group has ended already
+                os.killpg(process.pid, signal.SIGKILL)
             process.join()
 
     __del__ = close  # a garbage-collected RewardFunction stops its reward process
 
 
-def _serve(fn, kwargs, pipe):
+def _serve(fn, kwargs, pipe, trainer_end):
     """The reward process: call fn on each argument received, send back ("ok", result) or ("raised",
-    "Type: message", traceback text), until the trainer closes the pipe."""
+    "Type: message", traceback text), until the trainer closes the pipe or ends."""
+    trainer_end.close()  # the copy forked here: while open, a trainer that dies would leave this process waiting
     while True:
         try:
             arg = pipe.recv()
@@ -219,8 +223,7 @@ def math_reward(sample, format_weight=0.1, timeout=10.0):
     think_end = text.find("</think>", len("<think>")) if text.startswith("<think>") else -1
     box = text.find("\\boxed{", think_end + len("</think>")) if think_end >= 0 else -1
     form = 1.0 if box >= 0 and "}" in text[box + len("\\boxed{"):] else 0.0
-    answer = last_boxed(text)
-    accuracy = 1.0 if answer is not None and is_equivalent(answer, sample["ground_truth"], timeout) else 0.0
+    accuracy = 1.0 if is_equivalent(last_boxed(text) or "", sample["ground_truth"], timeout) else 0.0  # "": no box
     return _weighted(accuracy, form, format_weight)
 
 
@@ -240,8 +243,7 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     text = sample["response"]
     form = 1.0 if R1V_FORMAT.fullmatch(text) else 0.0
     found = R1V_ANSWER.search(text)
-    answer = found.group(1) if found else text
-    accuracy = 1.0 if is_equivalent(answer, sample["ground_truth"], timeout) else 0.0
+    accuracy = 1.0 if is_equivalent(found.group(1) if found else text, sample["ground_truth"], timeout) else 0.0
     return _weighted(accuracy, form, format_weight)
 
 
@@ -264,8 +266,7 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
     if not 0 <= overlong_buffer_length <= max_response_length:
         raise ValueError(f"overlong_buffer_length={overlong_buffer_length} must be within [0, "
                          f"max_response_length={max_response_length}]")
-    found = DAPO_ANSWER.findall(sample["response"][-300:])
-    answer = found[-1] if found else "[INVALID]"
+    answer = (DAPO_ANSWER.findall(sample["response"][-300:]) or ["[INVALID]"])[-1]
     accuracy = 1.0 if minerva_normalize(answer) == minerva_normalize(sample["ground_truth"]) else -1.0
     soft_start = max_response_length - overlong_buffer_length
     # the formula above as one clip to [-1, 0]; max(L_buf, 1): with no buffer, -1 as soon as L > L_max
@@ -286,8 +287,7 @@ def toy_reward(sample, format_weight=0.1):
     overall  = (1 - format_weight) * accuracy + format_weight * format
     The format bonus gives a random-init model a signal before it ever names the right answer.
     """
-    words = sample["response"].split()
-    word = words[0].lower().strip(".,;:!?\"'()[]{}") if words else ""
+    word = (sample["response"].split() or [""])[0].lower().strip(".,;:!?\"'()[]{}")
     accuracy = 1.0 if word and word == str(sample["ground_truth"]).strip().lower() else 0.0
     form = 1.0 if word in TOY_COLORS or word.isdigit() else 0.0
     return _weighted(accuracy, form, format_weight)

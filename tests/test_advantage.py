@@ -144,6 +144,17 @@ def test_reinforce_plus_plus_by_hand():
         compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], lengths=[2, 3], token_kl=[torch.zeros(2)] * 2)
 
 
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_reinforce_plus_plus_non_finite_kl_is_an_error(bad):
+    """A NaN or inf KL estimate (a broken forward pass) would make every token's advantage NaN through the
+    batch whitening: an error naming the response instead, as the other estimators give (via their scores)."""
+    kl = [torch.tensor([0.1, 0.2]), torch.tensor([0.3, bad, 0.0])]
+    with pytest.raises(ValueError, match="response 1"):
+        compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], token_kl=kl, kl_coef=0.1)
+    with pytest.raises(ValueError, match="position 1 \\(uid 'a'\\) is not finite"):
+        compute_advantages("grpo", [1.0, 0.0], ["a", "a"], token_kl=kl, kl_coef=0.1)
+
 def easyr1_reinforce_plus_plus(scores, lengths, token_kl, beta):
     """EasyR1/veRL's computation on a padded [N, L_max] batch with a response mask (the loop of
     compute_reinforce_plus_plus_outcome_advantage, then masked_whiten), in numpy."""

@@ -1,8 +1,12 @@
 """reward.py: the built-in scorers on tables of tricky cases, loading EasyR1-format reward files, and
 the errors a broken reward function produces. Expected values are written out by hand."""
 
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -408,3 +412,84 @@ def test_a_raise_in_the_reward_process_keeps_its_traceback(tmp_path):
     assert "raises.py\", line 2, in main" in str(caught.value.__cause__)
     with pytest.raises(RewardError, match="call_timeout=0: give a number of seconds > 0, or null"):
         load_reward_function("math", call_timeout=0)
+
+
+def alive(pid):
+    """pid runs (a zombie, ended but not yet reaped by its parent, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def ends_within(pid, seconds):
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive(pid):  # leave nothing behind, then fail
+        os.kill(pid, signal.SIGKILL)
+        return False
+    return True
+
+
+STARTS_A_PROCESS = '''
+import subprocess, time
+REWARD_TYPE = "sequential"
+
+def main(x, pid_file):
+    child = subprocess.Popen(["sleep", "60"])  # e.g. a sandbox that runs the response's code
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(1000)
+'''
+
+
+def test_a_timeout_also_stops_what_the_reward_function_started(tmp_path):
+    pid_file = tmp_path / "pid"
+    fn = load_reward_function(write(tmp_path, "starts.py", STARTS_A_PROCESS), call_timeout=1, pid_file=str(pid_file))
+    with pytest.raises(RewardError, match="did not return within"):
+        fn([sample("a", "1")])
+    assert ends_within(int(pid_file.read_text()), 5.0)
+
+
+def test_the_reward_process_ends_with_the_trainer(tmp_path):
+    """A trainer that dies without clean-up (the OOM killer, SIGKILL) leaves no reward process waiting forever."""
+    pid_file = tmp_path / "pid"
+    script = textwrap.dedent(f'''
+        import os, reward
+        fn = reward.load_reward_function("toy", call_timeout=30)
+        assert fn([{{"response": "red", "ground_truth": "red", "response_length": 1}}])[0]["overall"] == 1.0
+        open({str(pid_file)!r}, "w").write(str(fn._worker[0].pid))
+        os._exit(0)
+    ''')
+    subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(reward.__file__), timeout=120, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert ends_within(int(pid_file.read_text()), 5.0)
+
+
+CHANGES_ITS_INPUT = '''
+REWARD_TYPE = "{kind}"
+
+def score(x):
+    x["extra"]["seen"] = x["extra"].get("seen", 0) + 1
+    x["response"] = "changed"
+    return {{"overall": float(x["extra"]["seen"])}}
+
+def main(inputs):
+    {body}
+'''
+
+
+@pytest.mark.parametrize("kind,body", [("sequential", SEQUENTIAL_BODY), ("batch", BATCH_BODY)])
+@pytest.mark.parametrize("call_timeout", [None, 30])
+def test_a_function_that_changes_its_input_changes_no_other_sample(tmp_path, kind, body, call_timeout):
+    """Every call gets its own copy of the inputs, with or without a reward process: the n responses of a
+    prompt share its extra dict, and a change made while scoring one must not reach the next."""
+    fn = load_reward_function(write(tmp_path, "changes.py", CHANGES_ITS_INPUT.format(kind=kind, body=body)),
+                              call_timeout=call_timeout)
+    extra = {"difficulty": 2}
+    inputs = [{**sample("a", "1"), "extra": extra}, {**sample("b", "1"), "extra": extra}]
+    assert fn(inputs) == [{"overall": 1.0}, {"overall": 1.0}]
+    assert extra == {"difficulty": 2} and [x["response"] for x in inputs] == ["a", "b"]
+    fn.close()
