@@ -114,7 +114,7 @@ class RewardFunction:
         for key, value in result.items():
             try:  # float("1.0") works, but a string is a bug
                 scores[key] = float(None if isinstance(value, (str, bytes)) else value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
                 raise self._error(inputs, i, f"returned {key!r} = {value!r}, which is not a number") from None
             if not math.isfinite(scores[key]):
                 raise self._error(inputs, i, f"returned {key!r} = {scores[key]}")

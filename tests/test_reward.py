@@ -297,7 +297,8 @@ import math
 def score(x):
     if x["ground_truth"] == "raise":
         raise KeyError("answer")
-    value = {{"nan": math.nan, "inf": math.inf, "text": "high", "numeric_text": "1.0"}}.get(x["ground_truth"], 1.0)
+    value = {{"nan": math.nan, "inf": math.inf, "text": "high", "numeric_text": "1.0", "huge_int": 10**400}}.get(
+        x["ground_truth"], 1.0)
     out = {{"overall": value, "accuracy": 1.0}}
     if x["ground_truth"] == "no_overall":
         del out["overall"]
@@ -316,7 +317,7 @@ BATCH_BODY = "return [score(x) for x in inputs]"
 @pytest.mark.parametrize("bad,message", [
     ("raise", "raised KeyError: 'answer'"), ("nan", "returned 'overall' = nan"), ("inf", "returned 'overall' = inf"),
     ("no_overall", "without 'overall'"), ("text", "'overall' = 'high', which is not a number"),
-    ("numeric_text", "'overall' = '1.0', which is not a number"),
+    ("numeric_text", "'overall' = '1.0', which is not a number"), ("huge_int", "which is not a number"),
     ("extra_key", "every sample must return the same keys"),
 ])
 @pytest.mark.parametrize("call_timeout", [None, 30])
