@@ -88,8 +88,7 @@ class HFRollout:
         self.model = model_class.from_pretrained(model_path, dtype=DTYPES[cfg.dtype],
                                                  trust_remote_code=remote).to(device).eval().requires_grad_(False)
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
-        self.ignore_eos = cfg.ignore_eos
-        self.position_rows = 4 if is_vl else 1  # text row + 3 mrope rows for Qwen-VL
+        self.ignore_eos, self.position_rows = cfg.ignore_eos, 4 if is_vl else 1  # rows: text + 3 mrope for Qwen-VL
         self.new_cache = lambda: DynamicCache(config=config.get_text_config())
         # transformers renamed the forward's `past_key_values` to `cache` during 5.x; accept either.
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -97,7 +96,7 @@ class HFRollout:
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
         """len(prompts) * n responses, grouped by prompt. The log-probs are of the distribution sampled from: keep
         top_p=1, top_k=-1 for training, as the actor's full softmax does not represent a truncated one."""
-        max_tokens = max_tokens or self.max_response_length
+        max_tokens = self.max_response_length if max_tokens is None else max_tokens
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="prompt_ids")
         self.wake_up()
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]  # grouped: prompt i, sample j
@@ -121,13 +120,11 @@ class HFRollout:
         generators = [torch.Generator(device=dev).manual_seed(derive_seed(seed, i, j)) for i, j in rows]
         cache = self.new_cache()
         logits = self._forward(input_ids, mask, positions, cache, mm)                # [B, vocab]
-        alive = torch.ones(B, dtype=torch.bool, device=dev)
-        eos = torch.tensor(self.eos_ids, device=dev)
-        tokens, logprobs = [], []
+        alive, eos = torch.ones(B, dtype=torch.bool, device=dev), torch.tensor(self.eos_ids, device=dev)
+        steps = []  # per step: (token [B], log-prob [B])
         for step in range(max_tokens):
-            token, logprob = _sample_next(logits, self.banned_ids, temperature, top_p, top_k, generators)  # [B], [B]
-            tokens.append(token)
-            logprobs.append(logprob)
+            steps.append(_sample_next(logits, self.banned_ids, temperature, top_p, top_k, generators))
+            token = steps[-1][0]
             if not self.ignore_eos:
                 alive &= ~torch.isin(token, eos)
             if step + 1 == max_tokens or not alive.any():
@@ -135,7 +132,7 @@ class HFRollout:
             mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)                     # [B, P + step + 1]
             next_positions = positions[:, :, -1:] + step + 1                         # [R, B, 1]
             logits = self._forward(token[:, None], mask, next_positions, cache, {})
-        tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()  # [B, T]
+        tokens, logprobs = (torch.stack(column, 1).tolist() for column in zip(*steps))  # [B, T] each
         return [_response(i, prompts[i]["uid"], tokens[b], logprobs[b], self.eos_ids) for b, (i, _) in enumerate(rows)]
 
     def _forward(self, input_ids, mask, positions, cache, mm):
@@ -147,11 +144,11 @@ class HFRollout:
 
     def _prompt_positions(self, prompt, index):
         """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
-        length, positions = len(prompt["prompt_ids"]), prompt.get("position_ids")
-        if positions is None and not prompt.get("multi_modal_inputs"):
+        length, positions, mm = len(prompt["prompt_ids"]), prompt.get("position_ids"), prompt.get("multi_modal_inputs")
+        if positions is None and not mm:
             positions = torch.arange(length)[None]
         shape = None if positions is None else tuple(torch.as_tensor(positions).shape)
-        if shape not in ((1, length), (self.position_rows, length)):
+        if shape not in ((self.position_rows if mm else 1, length), (self.position_rows, length)):
             raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids of shape {shape}, expected "
                              f"({self.position_rows}, {length}) or (1, {length}); image prompts need data.py's mrope "
                              "position_ids [4, P]")
@@ -162,8 +159,7 @@ class HFRollout:
         """Copy (name, tensor) pairs into the model in place; names are the HF model's own state_dict names.
         Unknown names or wrong shapes raise, naming them."""
         self.wake_up()  # load straight into the device copy
-        params = self.model.state_dict()  # name -> tensor sharing storage with the model
-        unknown = []
+        params, unknown = self.model.state_dict(), []  # params: name -> tensor sharing storage with the model
         for name, tensor in named_tensors:
             if name not in params:
                 unknown.append(name)
@@ -192,7 +188,8 @@ def _sample_next(logits, banned_ids, temperature, top_p, top_k, generators):
 
         z = logits with z[banned] = -inf;    greedy (temperature 0): token = argmax z, logp = log_softmax(z)
         otherwise: z = z / temperature; top-k keeps the k largest; top-p keeps the most likely tokens whose
-        preceding mass is < top_p; logp = log_softmax(z) (the truncated distribution); token ~ exp(logp)
+        preceding mass is < top_p, and the ties of the last one kept (equally likely tokens go together, as in
+        top-k, whatever a sort's order); logp = log_softmax(z) (the truncated distribution); token ~ exp(logp)
         by the exponential race  token = argmax_v p_v / E_v,  E_v ~ Exp(1) drawn with the row's own
         generator: a row's draw does not depend on its batch, and unlike torch.multinomial per row it
         needs no host sync (1.5x the decode speed at batch 64 on a GPU).
@@ -206,10 +203,10 @@ def _sample_next(logits, banned_ids, temperature, top_p, top_k, generators):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]                              # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
+        sorted_logits = logits.sort(-1, descending=True).values
         probs = sorted_logits.softmax(-1)
-        drop_sorted = probs.cumsum(-1) - probs >= top_p                              # mass before each token
-        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+        last_kept = sorted_logits.masked_fill(probs.cumsum(-1) - probs >= top_p, float("inf")).amin(-1, keepdim=True)
+        logits = logits.masked_fill(logits < last_kept, float("-inf"))  # last_kept [B, 1]: min over mass before < top_p
     logp = logits.log_softmax(-1)                                                    # [B, vocab]
     race = torch.stack([torch.empty_like(logp[0]).exponential_(generator=g) for g in generators])  # [B, vocab]
     token = (logp.exp() / race).argmax(-1)
@@ -256,8 +253,7 @@ class VLLMRollout:
             distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
             enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
             seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
             logprobs_mode="processed_logprobs", trust_remote_code=remote,  # log-probs after bias, temperature, top-k/p
             **extra)
@@ -270,7 +266,7 @@ class VLLMRollout:
         if not self.synced:
             raise RuntimeError("the vLLM rollout holds random weights (load_format='dummy'): call "
                                "load_weights(actor.named_tensors()) before the first generate()")
-        max_tokens = max_tokens or self.max_response_length
+        max_tokens = self.max_response_length if max_tokens is None else max_tokens
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="raw_prompt_ids")
         self.wake_up()
         mine = [{key: list(p.get(key) or []) for key in ("raw_prompt_ids", "images", "videos", "video_metadata")}
@@ -328,8 +324,7 @@ class VLLMRollout:
         if self.asleep:
             return
         self.llm.reset_prefix_cache()
-        reset_encoder_cache = _vllm_internals(self.llm)["reset_encoder_cache"]
-        if reset_encoder_cache is not None:
+        if (reset_encoder_cache := _vllm_internals(self.llm)["reset_encoder_cache"]) is not None:
             reset_encoder_cache()
         else:
             warnings.warn("this vLLM has no reset_encoder_cache(): a repeated image may reuse vision embeddings "
@@ -361,8 +356,11 @@ def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
 def _load_config(model_path, tokenizer_path, trust_remote_code=False):
     """(the model's config, EOS ids of the generation config, placeholder ids to ban, pad id)."""
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    try:
-        generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    try:  # the model's own generation config (vLLM and the saved checkpoints read it), else the tokenizer folder's
+        try:
+            generation = GenerationConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except OSError:
+            generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = generation.eos_token_id, generation.pad_token_id
     except OSError:  # no generation_config.json: fall back to the tokenizer
         eos = pad = None
@@ -384,6 +382,8 @@ def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
         missing = [k for k in (key, "uid") if k not in prompt]
         if missing:
             raise KeyError(f"prompt {i} lacks {missing} (has {sorted(prompt)}); data.py makes them")
+        if not len(prompt[key]):
+            raise ValueError(f"prompt {i} (uid {prompt['uid']}) has an empty {key}")
 
 
 ENGINES = {"hf": HFRollout, "vllm": VLLMRollout}

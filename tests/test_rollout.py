@@ -120,11 +120,13 @@ def reference_logprobs(model, prompt, response_ids, temperature, top_k=-1, top_p
     if top_k > 0:
         z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
     for row in z if top_p < 1.0 else []:  # top-p: keep the likeliest tokens until their mass reaches top_p
-        probs = row.softmax(-1).tolist()
-        mass = 0.0
+        probs = row.softmax(-1).tolist()  # (and the ties of the last one kept)
+        mass, last = 0.0, None
         for token in sorted(range(len(probs)), key=lambda t: -probs[t]):
-            if mass >= top_p:
+            if mass >= top_p and probs[token] < last:
                 row[token] = float("-inf")
+            else:
+                last = probs[token]
             mass += probs[token]
     return z.log_softmax(-1).gather(1, torch.tensor(response_ids)[:, None])[:, 0]
 
@@ -371,6 +373,10 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
     assert len(sent) == 2 and all(v is frames for v in sent)
     kwargs = {"video_metadata": [metadata, metadata]} if family == "qwen2_5_vl" else None
     assert video.get("mm_processor_kwargs") == kwargs and "mm_processor_kwargs" not in text
+    with pytest.raises(ValueError, match="max_tokens=0"):  # not max_response_length
+        engine.generate(prompts, n=1, max_tokens=0)
+    with pytest.raises(ValueError, match="prompt 1 .uid t. has an empty raw_prompt_ids"):
+        engine.generate([prompts[0], {**prompts[1], "raw_prompt_ids": []}], n=1, max_tokens=4)
 
 
 def test_vllm_refuses_a_context_longer_than_the_model_before_starting(toy, monkeypatch):
@@ -435,6 +441,55 @@ def test_bad_inputs_fail_with_clear_errors(toy, world):
     no_positions = {k: v for k, v in world.prompts[0].items() if k != "position_ids"}
     with pytest.raises(ValueError, match="position_ids"):
         engine.generate([no_positions], n=1)
+
+
+def test_top_p_keeps_or_drops_tied_tokens_together():
+    """Tokens of equal probability are kept or dropped together (as top-k keeps its ties), whatever order a sort
+    puts them in: [1, 0, 0] at top_p 0.6 keeps all three (p = 0.58 before the tied pair, < 0.6); a sort-order
+    cut kept one of the pair and never sampled the other."""
+    for logits, kept in (([1.0, 0.0, 0.0], [0, 1, 2]), ([0.0, 1.0, 0.0, 0.0, 0.0], [0, 1, 2, 3, 4]),
+                         ([0.0, 0.0, 2.0, -1.0], [2])):
+        z = torch.tensor(logits)
+        expected = torch.full_like(z, float("-inf"))
+        expected[kept] = z[kept].log_softmax(-1)
+        generators = [torch.Generator().manual_seed(i) for i in range(2000)]
+        token, logp = rollout._sample_next(z.repeat(2000, 1), [], 1.0, 0.6, -1, generators)
+        assert sorted(set(token.tolist())) == kept, logits
+        assert torch.allclose(logp, expected[token], atol=1e-6)
+
+
+def test_empty_prompts_image_prompts_without_mrope_rows_and_max_tokens_0_are_errors(toy, world):
+    """An empty prompt (alone it failed deep in the embedding; beside others it was sampled from padding), an image
+    prompt whose position_ids has only the text row (its image tokens got text positions, silently) and
+    max_tokens=0 (it meant max_response_length) are errors naming the prompt or the setting."""
+    engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4,
+                                  device="cpu")
+    for prompts in ([{"uid": "e", "prompt_ids": []}], [world.prompts[1], {"uid": "e", "prompt_ids": []}]):
+        with pytest.raises(ValueError, match=f"prompt {len(prompts) - 1} .uid e. has an empty prompt_ids"):
+            engine.generate(prompts, n=1, max_tokens=2)
+    image = world.prompts[0]
+    text_row = {**image, "position_ids": torch.arange(len(image["prompt_ids"]))[None]}
+    with pytest.raises(ValueError, match=r"prompt 1 \(uid a\): position_ids of shape \(1, \d+\), expected \(4, "):
+        engine.generate([world.prompts[1], text_row], n=1, max_tokens=2)
+    text_only = {**world.prompts[1], "position_ids": torch.arange(len(world.prompts[1]["prompt_ids"]))[None]}
+    assert len(engine.generate([text_only], n=1, max_tokens=2)) == 1  # a text prompt's one row is all four alike
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        engine.generate(world.prompts, n=1, max_tokens=0)
+
+
+def test_eos_list_is_the_models_generation_config_with_a_separate_tokenizer_folder(toy, world, tmp_path):
+    """With model.tokenizer_path set to a folder of tokenizer files only, the EOS list still comes from the
+    model's generation_config.json ([<|im_end|>, <|endoftext|>], as vLLM and the saved checkpoints read it): a
+    response ends at <|endoftext|>, which the tokenizer alone (eos <|im_end|>) ran past."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json"):
+        shutil.copy(os.path.join(toy["vl_model"], name), tmp_path / name)
+    engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4,
+                                  device="cpu", tokenizer_path=str(tmp_path))
+    fresh(engine, world, prefer={ENDOFTEXT: 5.0})
+    out = engine.generate(world.prompts, n=1, temperature=1.0, max_tokens=4, seed=0)
+    assert [(r["response_ids"], r["finish_reason"]) for r in out] == [([ENDOFTEXT], "stop")] * 3
 
 
 def test_tensor_parallel_ranks_bring_their_own_prompts():
