@@ -261,14 +261,13 @@ def load_config(path=None, overrides=()):
 
 def check_config(cfg):
     """Checks of values against each other, before any model is loaded."""
-    a, r, d, t = cfg.worker.actor, cfg.worker.rollout, cfg.data, cfg.trainer
+    a, r, d, t, alg = cfg.worker.actor, cfg.worker.rollout, cfg.data, cfg.trainer, cfg.algorithm
     for key in ("data.rollout_batch_size", "data.mini_rollout_batch_size", "worker.actor.global_batch_size",
                 "worker.actor.micro_batch_size_per_device_for_update", "worker.actor.max_tokens_per_micro_batch",
                 "worker.actor.micro_batch_size_per_device_for_experience", "worker.actor.ppo_epochs",
                 "worker.rollout.n", "worker.rollout.tensor_parallel_size", "trainer.total_epochs", "trainer.max_steps",
                 "trainer.nnodes", "trainer.n_gpus_per_node"):
-        value = operator.attrgetter(key)(cfg)
-        if value is not None and value < 1:
+        if (value := operator.attrgetter(key)(cfg)) is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
@@ -277,19 +276,24 @@ def check_config(cfg):
     if d.rollout_batch_size % a.global_batch_size != 0:
         raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
                           f"worker.actor.global_batch_size={a.global_batch_size}")
-    world = t.nnodes * t.n_gpus_per_node  # one worker per GPU (per process on the CPU)
+    world, n = t.nnodes * t.n_gpus_per_node, d.rollout_batch_size * r.n  # workers (GPUs; CPU: processes); responses
     if r.name == "vllm" and world % r.tensor_parallel_size:
         raise ConfigError(f"worker.rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} "
                           f"workers (trainer.nnodes x trainer.n_gpus_per_node)")
-    for name, count in (("data.rollout_batch_size x worker.rollout.n", d.rollout_batch_size * r.n),
-                        ("worker.actor.global_batch_size x worker.rollout.n", a.global_batch_size * r.n)):
-        if count % world:
-            raise ConfigError(f"{name} = {count} must be divisible by the {world} workers "
-                              f"(trainer.nnodes x trainer.n_gpus_per_node)")
-    if cfg.algorithm.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs groups: "
-                          f"set worker.rollout.n >= 2 (it is {r.n})")
-    if cfg.algorithm.gamma != 1.0:
+    if a.global_batch_size * r.n % world:  # then rollout_batch_size x n, a multiple, divides too
+        raise ConfigError(f"worker.actor.global_batch_size x worker.rollout.n = {a.global_batch_size * r.n} must be "
+                          f"divisible by the {world} workers (trainer.nnodes x trainer.n_gpus_per_node)")
+    if alg.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} needs groups: worker.rollout.n={r.n} < 2")
+    if alg.kl_type == "adaptive" and (alg.kl_target <= 0 or alg.kl_horizon <= 0.2 * n):  # beta (1 - 0.2 n / h) > 0
+        raise ConfigError(f"algorithm.kl_type=adaptive needs algorithm.kl_target={alg.kl_target} > 0 and "
+                          f"algorithm.kl_horizon={alg.kl_horizon} > 0.2 x {n} (responses a step)")
+    if alg.online_filtering and alg.filter_low >= alg.filter_high:  # a group is kept when low < mean < high: none
+        raise ConfigError(f"algorithm.filter_low={alg.filter_low} must be < algorithm.filter_high={alg.filter_high}")
+    if not alg.online_filtering and (d.mini_rollout_batch_size or 0) > d.rollout_batch_size:  # the excess is dropped
+        raise ConfigError(f"data.mini_rollout_batch_size={d.mini_rollout_batch_size} must be at most "
+                          f"data.rollout_batch_size={d.rollout_batch_size} without algorithm.online_filtering")
+    if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: a response has one reward at its end, so a discount "
                           "only rescales it (per-token rewards are not supported)")
     if a.ulysses_size != 1:
@@ -333,11 +337,8 @@ def _config_file(path):
 
 
 def _leaves(cls, prefix=""):
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            yield from _leaves(hint, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", hint
+    for name, hint in typing.get_type_hints(cls).items():  # a section's keys, or (key, type) of a leaf
+        yield from _leaves(hint, f"{prefix}{name}.") if dataclasses.is_dataclass(hint) else [(f"{prefix}{name}", hint)]
 
 
 KEYS = dict(_leaves(Config))  # every dotted key and its type: "worker.rollout.n" -> int

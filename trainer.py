@@ -130,8 +130,8 @@ class Run:
         return metrics
 
     def make_batch(self, metrics):
-        """Generate and score rounds of prompts until `rollout_batch_size` groups are kept (online filtering), or
-        one round without filtering. -> (prompts, responses, scores, reward/* means over all rounds' responses)."""
+        """Generate and score rounds of prompts until `rollout_batch_size` groups are kept (online filtering drops
+        some). -> (prompts, responses, scores, reward/* means: over the responses kept; with filtering all rounds')."""
         a, want, tries = self.cfg.algorithm, self.cfg.data.rollout_batch_size, self.cfg.trainer.max_try_make_batch
         prompts, responses, scores, all_scores, rounds = [], [], [], [], 0
         while len(prompts) < want:
@@ -149,6 +149,8 @@ class Run:
                 batch_scores = self.score(batch, outs)
             all_scores += batch_scores
             keep = {p["uid"] for p in batch}
+            if a.online_filtering and a.filter_key not in batch_scores[0]:
+                raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*batch_scores[0]]}")
             if a.online_filtering:  # flat groups go only where their advantages would all be 0
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
@@ -162,8 +164,8 @@ class Run:
                     scores.append(s)
         metrics["filter/rounds"] = rounds
         assert len(responses) == want * self.cfg.worker.rollout.n
-        return prompts, responses, scores, {f"reward/{k}": sum(s[k] for s in all_scores) / len(all_scores)
-                                            for k in all_scores[0]}
+        over = all_scores if a.online_filtering else scores  # as EasyR1: dropped groups count only when filtering
+        return prompts, responses, scores, {f"reward/{k}": sum(s[k] for s in over) / len(over) for k in over[0]}
 
     def greedy_rewards(self, prompts):
         """ReMax's baseline: {uid: the reward of the prompt's greedy response} (temperature 0, one response each)."""
@@ -216,11 +218,10 @@ class Run:
                                 "prompt": p["prompt_text"], "extra": p.get("extra", {})} for r, p in pairs])
 
     def validate(self):
-        sampling = self.sampling(("validation",), self.cfg.worker.rollout.val_override_config)
         self.workers.sync_weights()
-        scores, lengths, logged = [], [], []
-        for prompts in self.val_loader.epoch():
-            responses = self.workers.generate(prompts, sampling)
+        scores, lengths, logged, override = [], [], [], self.cfg.worker.rollout.val_override_config
+        for b, prompts in enumerate(self.val_loader.epoch()):  # a seed a batch: prompt i's sample j draws (seed, i, j)
+            responses = self.workers.generate(prompts, self.sampling(("validation", b), override))
             batch_scores = self.score(prompts, responses)
             scores += batch_scores
             lengths += [len(r["response_ids"]) for r in responses]
@@ -257,8 +258,8 @@ class Run:
         self.logger.flush()  # the step's rows on disk before its checkpoint counts
         state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only,
                  **self.best}
-        _write_json_atomic(os.path.join(path, "trainer_state.json"), state)
-        _write_json_atomic(os.path.join(self.ckpt_root, TRACKER), {"last_global_step": self.step, **self.best})
+        _write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
+        _write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
         _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
 
     def _resume(self, path):
@@ -355,7 +356,7 @@ class Logger:
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
         self.jsonl_path = self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
-        _write_json_atomic(os.path.join(root, "experiment_config.json"), config)
+        _write_atomic(os.path.join(root, "experiment_config.json"), json.dumps(config, indent=2))
         self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
         if "tensorboard" in names:  # opened at the first row, with rewind's purge_step: a resumed step shows once
             from torch.utils.tensorboard import SummaryWriter
@@ -464,10 +465,6 @@ def _row_step(line):
     """The step of one log line (bytes, written as {"step": N, ...}), or infinity for a line cut short."""
     match = re.match(rb'\{"step": (-?\d+)[,}]', line)
     return int(match.group(1)) if match and line.endswith(b"\n") else math.inf
-
-
-def _write_json_atomic(path, obj):
-    _write_atomic(path, json.dumps(obj, indent=2))
 
 
 def _write_atomic(path, text):
@@ -599,6 +596,8 @@ def check_choices(cfg):
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     if unknown := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
+    if unknown := sorted(set(cfg.worker.rollout.val_override_config) - set(rollout.SAMPLING_KEYS)):  # at start-up
+        raise ConfigError(f"worker.rollout.val_override_config has {unknown}; choose from {[*rollout.SAMPLING_KEYS]}")
     for section, fsdp in fsdps.items():
         if actor.DTYPES[fsdp.mp_buffer_dtype] != torch.float32:
             raise ConfigError(f"{section}.mp_buffer_dtype={fsdp.mp_buffer_dtype}: buffers stay fp32 in FSDP2; set fp32")

@@ -232,14 +232,15 @@ def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None, logger=("fi
 
 def kill_at(monkeypatch, when, step):
     """Patch the loop to die at `when` in step `step` of a run with checkpoints every 2 steps."""
-    write_json, remove_old, log = trainer._write_json_atomic, trainer._remove_old_checkpoints, trainer.Logger.log
+    write, remove_old, log = trainer._write_atomic, trainer._remove_old_checkpoints, trainer.Logger.log
 
-    def write_json_then_die(path, obj):
-        if when == "before trainer_state.json" and path.endswith("trainer_state.json") and obj["global_step"] == step:
+    def write_then_die(path, text):
+        saved = json.loads(text) if path.endswith(("trainer_state.json", trainer.TRACKER)) else {}
+        if when == "before trainer_state.json" and path.endswith("trainer_state.json") and saved["global_step"] == step:
             raise Kill
-        if when == "before the tracker" and path.endswith(trainer.TRACKER) and obj["last_global_step"] == step:
+        if when == "before the tracker" and path.endswith(trainer.TRACKER) and saved["last_global_step"] == step:
             raise Kill
-        write_json(path, obj)
+        write(path, text)
 
     def remove_old_then_die(root, last, *args):
         remove_old(root, last, *args)
@@ -255,7 +256,7 @@ def kill_at(monkeypatch, when, step):
         if at == step and when == "after the row":
             raise Kill
 
-    monkeypatch.setattr(trainer, "_write_json_atomic", write_json_then_die)
+    monkeypatch.setattr(trainer, "_write_atomic", write_then_die)
     monkeypatch.setattr(trainer, "_remove_old_checkpoints", remove_old_then_die)
     monkeypatch.setattr(trainer.Logger, "log", log_then_die)
 

@@ -182,8 +182,9 @@ def test_zero_sizes_are_config_errors(override, message):
 
 
 def test_worker_count_that_does_not_divide_the_batch_fails_at_load():
-    """6 workers: 512 x 5 = 2560 responses do not split evenly; found by load_config, before any data loads."""
-    with pytest.raises(ConfigError, match=re.escape("data.rollout_batch_size x worker.rollout.n = 2560 must be "
+    """6 workers: mini-batches of 128 x 5 = 640 responses (and so 512 x 5) do not split evenly; found by load_config,
+    before any data loads."""
+    with pytest.raises(ConfigError, match=re.escape("worker.actor.global_batch_size x worker.rollout.n = 640 must be "
                                                     "divisible by the 6 workers")):
         load_config(None, ["trainer.n_gpus_per_node=6"])
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 must divide the 3 workers"):
@@ -228,3 +229,32 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     assert not [l for l in lines if l.lower().startswith(("flash-attn", "flash_attn"))]
     readme = open(os.path.join(root, "README.md")).read()
     assert "pip install flash-attn --no-build-isolation" in readme and "varlen_attn" in readme
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # adaptive KL: beta *= 1 + clip(kl / target - 1, -0.2, 0.2) n / horizon, n = 512 x 5 responses a step; target 0
+    # divides by zero at step 1, a negative target or horizon turns the controller around (beta falls while the KL
+    # grows), and a horizon of at most 0.2 n makes the factor <= 0 when the KL is low: beta 0 or negative
+    (["algorithm.kl_type=adaptive", "algorithm.kl_target=0"], "algorithm.kl_target=0.0 > 0 and"),
+    (["algorithm.kl_type=adaptive", "algorithm.kl_horizon=-5"], "algorithm.kl_horizon=-5.0 > 0.2 x 2560 (responses"),
+    (["algorithm.kl_type=adaptive", "algorithm.kl_horizon=512"], "algorithm.kl_horizon=512.0 > 0.2 x 2560"),
+    # a group is kept when low < mean < high: no group ever is, and the step retries max_try_make_batch rounds
+    (["algorithm.online_filtering=true", "algorithm.filter_low=0.5", "algorithm.filter_high=0.5"],
+     "algorithm.filter_low=0.5 must be < algorithm.filter_high=0.5"),
+    # without filtering every group of a round is kept: 512 of the 1024 prompts generated each step were dropped
+    (["data.mini_rollout_batch_size=1024"], "data.mini_rollout_batch_size=1024 must be at most data.rollout"),
+    # a typo here failed only at the first validation, val_freq steps into training
+    (["worker.rollout.val_override_config={temperature: 0.6, topp: 0.9}"],
+     "worker.rollout.val_override_config has ['topp']; choose from ['n', 'temperature', 'top_p', 'top_k']"),
+])
+def test_impossible_combinations_are_config_errors_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_checked(*overrides)
+
+
+def test_the_possible_neighbours_of_those_combinations_load():
+    load_checked("algorithm.kl_type=fixed", "algorithm.kl_target=0")  # the target of a fixed controller is unused
+    load_checked("algorithm.kl_type=adaptive", "algorithm.kl_horizon=513")  # beta x (1 - 0.2 x 2560 / 513) > 0
+    load_checked("algorithm.filter_low=0.9", "algorithm.filter_high=0.1")  # unused without online filtering
+    # with online filtering a round may generate more prompts than a step keeps (veRL's DAPO recipe: 3x)
+    load_checked("algorithm.online_filtering=true", "data.mini_rollout_batch_size=1536")

@@ -4,6 +4,7 @@ Every expected number is worked out by hand in the test."""
 import importlib.machinery
 import json
 import math
+import re
 import sys
 import types
 
@@ -532,3 +533,59 @@ def test_shard_keeps_a_prompts_responses_on_one_rank_when_groups_divide():
     group.mini_batch = 6
     lists, indices = group.shard(samples[:6])
     assert sorted(len(i) for i in indices) == [3, 3] and sorted(sum(indices, [])) == list(range(6))
+
+
+def test_validation_over_several_batches_draws_new_streams_for_each():
+    """Two val batches (3 prompts, then 1; a response each of lengths 1, 2, 3 and 4, scored 1, 0, 0, 1): the metrics
+    are over all four responses, and each batch gets its own seed. Sample j of prompt i draws from derive_seed(seed,
+    i, j), so one seed for both batches made prompt 0 of the second batch replay the stream of prompt 0 of the first."""
+    run = bare_run("trainer.val_generations_to_log=0")
+    batches = [[{"name": "a"}, {"name": "b"}, {"name": "c"}], [{"name": "d"}]]
+    run.val_loader = types.SimpleNamespace(epoch=lambda: iter(batches))
+    seeds, length = [], {"a": 1, "b": 2, "c": 3, "d": 4}
+    run.workers = types.SimpleNamespace(sync_weights=lambda: None, sleep=lambda: None, generate=lambda prompts, s: (
+        seeds.append(s["seed"]) or [{"prompt_index": i, "response_ids": [5] * length[p["name"]], "name": p["name"]}
+                                    for i, p in enumerate(prompts)]))
+    run.score = lambda prompts, responses: [{"overall": float(r["name"] in "ad")} for r in responses]
+    run.logger.log_generations = lambda rows, step: None
+    metrics = run.validate()
+    assert metrics["val/reward_score"] == metrics["val/overall_reward"] == 0.5
+    assert (metrics["val_response_length/mean"], metrics["val_response_length/max"]) == (2.5, 4)
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    assert run.validate() and seeds[2:] == seeds[:2]  # the same streams at every validation: comparable scores
+
+
+def test_without_filtering_reward_metrics_are_over_the_trained_responses():
+    """rollout_batch_size 3, rounds of 2 prompts, n = 2, no filtering: round 2's second prompt is generated but not
+    trained on. As EasyR1 (reward/* of the truncated batch), reward/overall is over the 6 responses kept: prompts
+    x, y, z scored (1, 1), (0, 0), (1, 0) -> 3 / 6, not over w's (1, 1) too (5 / 8). With filtering it is over every
+    response generated, dropped ones too (EasyR1)."""
+    run = bare_run("data.rollout_batch_size=3", "data.mini_rollout_batch_size=2", "worker.rollout.n=2",
+                   "worker.actor.global_batch_size=3", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf")
+    table = {"x": (1.0, 1.0), "y": (0.0, 0.0), "z": (1.0, 0.0), "w": (1.0, 1.0)}
+    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
+        {"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
+        for i, p in enumerate(prompts) for j in range(2)])
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [{"overall": table[r["name"]][r["j"]]} for r in responses]
+    metrics = {}
+    prompts, responses, scores, rewards = run.make_batch(metrics)
+    assert [p["name"] for p in prompts] == ["x", "y", "z"] and metrics["filter/rounds"] == 2
+    assert rewards == {"reward/overall": 0.5}
+
+
+def test_a_filter_key_the_reward_does_not_return_names_the_key_and_the_scores():
+    """algorithm.filter_key=accuracy_normalized (the dapo reward's) with a reward that returns overall and accuracy:
+    an error naming the key and the keys there are (was a bare KeyError: 'accuracy_normalized')."""
+    run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=2", "worker.actor.global_batch_size=2",
+                   "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true",
+                   "algorithm.filter_key=accuracy_normalized")
+    run.train_iter = iter([[{"name": "x"}, {"name": "y"}]])
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
+        {"prompt_index": i, "uid": p["uid"], "response_ids": [1]} for i, p in enumerate(prompts) for _ in range(2)])
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [{"overall": 1.0, "accuracy": 1.0} for _ in responses]
+    with pytest.raises(ConfigError, match=re.escape("algorithm.filter_key='accuracy_normalized': the reward returns "
+                                                    "['overall', 'accuracy']")):
+        run.make_batch({})
