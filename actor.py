@@ -147,9 +147,8 @@ def aggregate_loss(per_token_loss, cu_seqlens, mode="token", global_tokens=None,
         raise ValueError(f"aggregate_loss: unknown mode {mode!r}; choose one of {AGGREGATION_MODES} "
                          "(worker.actor.loss_avg_mode)")
     _check_flat(cu_seqlens, per_token_loss=per_token_loss)
-    if mode == "token":
-        denominator = per_token_loss.numel() if global_tokens is None else global_tokens
-        return per_token_loss.sum() / denominator
+    if mode == "token":  # no tokens at all (every response empty): 0, not 0 / 0
+        return per_token_loss.sum() / max(per_token_loss.numel() if global_tokens is None else global_tokens, 1)
     denominator = cu_seqlens.numel() - 1 if global_seqs is None else global_seqs
     if mode == "seq":
         return _per_sequence_mean(per_token_loss, cu_seqlens, broadcast=False).sum() / denominator

@@ -239,6 +239,10 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         if pos.ndim != 2 or pos.shape[1] != len(prompt):
             raise ValueError(f"pack_samples: {name}: position_ids has shape {tuple(pos.shape)}, expected "
                              f"[rows, {len(prompt)}] (rows, prompt length)")
+        inputs = s.get("multi_modal_inputs") or {}
+        if ("pixel_values" in inputs or "pixel_values_videos" in inputs) and (not is_vl or pos.shape[0] == 1):
+            raise ValueError(f"pack_samples: {name}: images / videos " + ("need the model's mrope position_ids [4, P] "
+                             "(data.py; 0..P-1 would misplace them)" if is_vl else "given to a text model"))
         if is_vl and pos.shape[0] == 1:  # text-only row of a VL model: all four rows alike
             pos = pos.expand(4, -1)
         elif is_vl and pos.shape[0] == 3:  # mrope rows only: put the text row on top
@@ -247,7 +251,6 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
             raise ValueError(f"pack_samples: {name}: position_ids has {pos.shape[0]} rows; a VL model takes 4 "
                              "(text + t/h/w; 1 or 3 are completed), a text model 1")
         positions.append(torch.cat([pos, pos[:, -1:] + torch.arange(1, len(response) + 1)], dim=1))  # [R, L]
-        inputs = s.get("multi_modal_inputs") or {}
         for modality, token in (("image", image_token_id), ("video", video_token_id)):
             _, key, grid = VISION_CALLS[modality]
             expected = int((torch.as_tensor(inputs[grid]).prod(-1) // merge**2).sum()) if key in inputs else 0
@@ -271,13 +274,11 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         resp_lens.append(len(response))
     position_ids = torch.cat(positions, dim=1)  # [R, T]
     return {
-        "input_ids": torch.tensor([ids]),
-        "position_ids": position_ids[:, None] if is_vl else position_ids,
+        "input_ids": torch.tensor([ids]), "position_ids": position_ids[:, None] if is_vl else position_ids,
         "cu_seqlens": torch.tensor([0] + seq_lens).cumsum(0, dtype=torch.int32), "max_seqlen": max(seq_lens),
         "resp_index": torch.cat(resp_index), "labels": torch.tensor(labels, dtype=torch.long),
         "resp_cu_seqlens": torch.tensor([0] + resp_lens).cumsum(0, dtype=torch.int32),
-        "resp_lens": resp_lens, "seq_lens": seq_lens,
-        "mm": {k: torch.cat(v) for k, v in mm.items()}, "mm_order": order,
+        "resp_lens": resp_lens, "seq_lens": seq_lens, "mm": {k: torch.cat(v) for k, v in mm.items()}, "mm_order": order,
     }
 
 

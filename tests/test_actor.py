@@ -193,10 +193,11 @@ def test_pack_samples_layout_by_hand():
 
 def test_pack_samples_rejects_mismatched_image_tokens():
     mm = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}  # 16 / 2^2 = 4 tokens
-    good = {"prompt_ids": [1, 99, 99, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm}
+    good = {"prompt_ids": [1, 99, 99, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm,
+            "position_ids": torch.arange(6).expand(4, -1)}  # stand-in mrope rows
     assert modeling.pack_samples([good], is_vl=True, image_token_id=99, video_token_id=98, merge=2)["mm"][
         "pixel_values"].shape == (16, 8)
-    bad = {"prompt_ids": [1, 99, 99, 2], "response_ids": [3], "multi_modal_inputs": mm}
+    bad = dict(good, prompt_ids=[1, 99, 99, 2], position_ids=torch.arange(4).expand(4, -1))
     with pytest.raises(ValueError, match="sample 0 has 2 pixel_values placeholder"):
         modeling.pack_samples([bad], is_vl=True, image_token_id=99, video_token_id=98, merge=2)
 

@@ -361,3 +361,32 @@ def test_per_token_advantages_reach_the_loss(toy, samples):
     fresh[0]["advantage"] = torch.zeros(lengths[0] + 1)
     with pytest.raises(ValueError, match="advantage has"):
         actor.update(fresh)
+
+
+def test_a_mini_batch_of_empty_responses_gives_zero_losses_not_nan(toy, samples):
+    """Every response empty: no tokens, so actor/pg_loss and actor/kl_loss are 0 (not 0 / 0 = NaN), the gradient is
+    zero and the step is not counted as skipped."""
+    actor = actor_module.Actor(make_cfg(toy["vl_model"]), role="actor", temperature=1.0, device="cpu",
+                               max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE, n_per_prompt=2,
+                               training_steps=4, use_kl_loss=True, kl_coef=0.1)
+    empty = [dict(s, response_ids=[], old_logprobs=torch.zeros(0), ref_logprobs=torch.zeros(0)) for s in samples]
+    metrics = actor.update(empty)
+    assert metrics["actor/pg_loss"] == 0.0 and metrics["actor/kl_loss"] == 0.0, metrics
+    assert metrics["actor/tokens"] == 0.0 and metrics["actor/skipped_steps"] == 0.0 and metrics["actor/grad_norm"] == 0
+
+
+def test_pack_samples_rejects_image_samples_it_would_pack_wrong():
+    """An image sample of a VL model needs its mrope positions (3 or 4 rows): with none, or one row, its image
+    tokens would silently get text positions 0..P-1. A text model given images says so (no TypeError)."""
+    from modeling import pack_samples
+
+    image = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}  # 4 tokens, merge 2
+    sample = {"prompt_ids": [1, 9, 9, 9, 9, 2], "response_ids": [3], "multi_modal_inputs": image}
+    for positions in (None, torch.arange(6)[None]):
+        with pytest.raises(ValueError, match="sample 0: .*position_ids"):
+            pack_samples([dict(sample, position_ids=positions)], True, image_token_id=9, video_token_id=8, merge=2)
+    mrope = torch.tensor([[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]])
+    batch = pack_samples([dict(sample, position_ids=mrope)], True, image_token_id=9, video_token_id=8, merge=2)
+    assert batch["position_ids"][:, 0].tolist() == [list(range(7))] + [row + [4] for row in mrope.tolist()]
+    with pytest.raises(ValueError, match="sample 0: .*text model"):
+        pack_samples([sample], False)

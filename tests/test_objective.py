@@ -292,6 +292,17 @@ def test_empty_sequences_are_allowed():
         run("default", [0.0, 0.0], [0.0], [1.0, 1.0], [0, 2])
 
 
+def test_all_responses_empty_token_mean_is_zero_not_nan():
+    """A mini-batch whose responses are all empty has no tokens: the token mean is 0 with a zero gradient (0 / 0
+    would be a NaN actor/pg_loss, and a NaN gradient from a dummy micro-batch that multiplies it by 0)."""
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    for counts in ({}, {"global_tokens": 0}):
+        assert aggregate_loss(torch.zeros(0), cu, "token", **counts).item() == 0.0
+    logp = torch.zeros(1, requires_grad=True)  # a dummy micro-batch's one token, scaled by 0 as actor.update does
+    (aggregate_loss(logp * 2.0, torch.tensor([0, 1]), "token", global_tokens=0) * 0.0).backward()
+    assert logp.grad.tolist() == [0.0]
+
+
 # ----------------------------------------------------------------------------------------------
 # Aggregation
 # ----------------------------------------------------------------------------------------------
