@@ -271,7 +271,8 @@ class Run:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:
             hint = (" The tracker named it: if trainer.save_checkpoint_path holds another run, pick a new folder, or "
-                    "set trainer.find_last_checkpoint=false." if self.cfg.trainer.load_checkpoint_path is None else "")
+                    "set trainer.find_last_checkpoint=false (its files are moved aside)."
+                    if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
         self.kl_ctrl.value = state["kl_coef"]
@@ -483,9 +484,9 @@ class CheckpointError(RuntimeError):
 
 
 def _find_checkpoint(root, load_path, find_last):
-    """The global_step_N folder a run resumes from, or None for a fresh start (no tracker); reads files only, no Ray.
-    An explicit `load_path` must be complete. Else, with `find_last`, the one the tracker in `root` names or, if it is
-    incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so; none: an error."""
+    """The global_step_N folder a run resumes from, or None for a fresh start (no tracker; or not `find_last`, then
+    _set_aside); no Ray. An explicit `load_path` must be complete. Else the one the tracker in `root` names or, if it
+    is incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so; none: an error."""
     if load_path is not None:
         if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
@@ -493,8 +494,10 @@ def _find_checkpoint(root, load_path, find_last):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
         return load_path
     tracker = os.path.join(root, TRACKER)
-    if not find_last or not os.path.exists(tracker):
+    if not os.path.exists(tracker):
         return None
+    if not find_last:  # a fresh start over an earlier run: its files kept, out of the way
+        return _set_aside(root)
     steps, problems = _saved_steps(root)[::-1], []
     last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
     if problem:
@@ -513,7 +516,20 @@ def _find_checkpoint(root, load_path, find_last):
         return path
     raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
                           f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
-                          f"afresh with trainer.find_last_checkpoint=false (or another trainer.save_checkpoint_path)")
+                          f"afresh with trainer.find_last_checkpoint=false (they are moved aside) or another "
+                          f"trainer.save_checkpoint_path")
+
+
+def _set_aside(root):
+    """Move an earlier run's logs, tracker and checkpoints in `root` into root/earlier_<time>/, so that a fresh start
+    (trainer.find_last_checkpoint=false) neither cuts its logs nor overwrites or rotates away its checkpoints."""
+    names = [n for n in os.listdir(root) if n in (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png",
+                                                   "tensorboard") or re.fullmatch(r"global_step_\d+", n)]
+    aside = os.path.join(root, time.strftime("earlier_%Y%m%d_%H%M%S"))
+    os.makedirs(aside)
+    for name in names:
+        os.rename(os.path.join(root, name), os.path.join(aside, name))
+    print(f"trainer.find_last_checkpoint=false: the earlier run's files in {root} moved to {aside}", flush=True)
 
 
 def _checkpoint_problem(path):

@@ -163,6 +163,23 @@ def test_no_tracker_is_a_fresh_start_and_no_complete_checkpoint_an_error(tmp_pat
     assert trainer._find_checkpoint(str(tmp_path), None, False) is None
 
 
+def test_a_fresh_start_over_an_earlier_run_moves_its_files_aside(tmp_path):
+    """find_last_checkpoint=false where a run left checkpoints: its logs, tracker and checkpoints go to earlier_<time>/
+    untouched; the new run starts with empty logs and its own checkpoints (before, the logs were cut to nothing and
+    the old checkpoints were overwritten or rotated away)."""
+    save_steps(tmp_path, [1, 2])
+    old_rows = open(tmp_path / "experiment_log.jsonl").read()
+    assert old_rows.count('"step"') == 2
+    save_steps(tmp_path, [1], find_last_checkpoint=False)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
+    assert len(aside) == 1 and (aside[0] / "experiment_log.jsonl").read_text() == old_rows
+    assert sorted(p.name for p in aside[0].glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert json.load(open(aside[0] / trainer.TRACKER))["last_global_step"] == 2
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_1"]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "experiment_log.jsonl")] == [1]
+    assert fake_run(tmp_path, make_cfg()).step == 1  # the new run's checkpoint resumes
+
+
 def test_an_explicit_checkpoint_must_be_complete(tmp_path):
     save_steps(tmp_path, [1, 2])
     break_checkpoint(tmp_path / "global_step_2", "optim missing")
