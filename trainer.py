@@ -76,6 +76,8 @@ class Run:
     def fit(self):
         """Train: validation every val_freq steps and at the end, checkpoints every save_freq; -> the last metrics."""
         t, metrics = self.cfg.trainer, {}
+        if self.step >= self.training_steps and not t.val_only:
+            print(f"step {self.step} of {self.training_steps} done: nothing left to train (raise trainer.max_steps)")
         if t.val_before_train or t.val_only:  # also when resuming, as EasyR1
             metrics = self.validate()
             self.logger.log(metrics, self.step, amend=self.step > 0)  # resumed: into the row of the step it resumes

@@ -329,6 +329,12 @@ def test_after_a_kill_and_a_resume_tensorboard_shows_each_step_once(tmp_path, mo
     assert runs == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]  # step 3 once, from the resumed run
 
 
+def test_a_resume_with_no_step_left_says_so(tmp_path, capsys):
+    run_loop(tmp_path, run_id=1, training_steps=4)
+    run = run_loop(tmp_path, run_id=2, training_steps=4)
+    assert run.step == 4 and "step 4 of 4 done: nothing left to train" in capsys.readouterr().out
+
+
 def test_a_kill_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         kill_at(patch, "after the row", 1)

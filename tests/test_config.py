@@ -246,6 +246,13 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     # a typo here failed only at the first validation, val_freq steps into training
     (["worker.rollout.val_override_config={temperature: 0.6, topp: 0.9}"],
      "worker.rollout.val_override_config has ['topp']; choose from ['n', 'temperature', 'top_p', 'top_k']"),
+    # sampling settings out of range failed at the first generation (validation's: at the first validation), after
+    # the models loaded; top_k < -1 switched top-k off in the transformers engine, where vLLM raises
+    (["worker.rollout.top_k=-5"], "top_k=-5 (-1 or 0: off): out of range"),
+    (["worker.rollout.temperature=-0.5"], "worker.rollout.n=5 (>= 1), temperature=-0.5 (>= 0)"),
+    (["worker.rollout.val_override_config={top_p: 0}"], "worker.rollout.val_override_config.n=5 (>= 1), "
+                                                         "temperature=1.0 (>= 0), top_p=0 (in (0, 1])"),
+    (["worker.rollout.val_override_config={n: 0}"], "worker.rollout.val_override_config.n=0 (>= 1)"),
 ])
 def test_impossible_combinations_are_config_errors_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -258,3 +265,4 @@ def test_the_possible_neighbours_of_those_combinations_load():
     load_checked("algorithm.filter_low=0.9", "algorithm.filter_high=0.1")  # unused without online filtering
     # with online filtering a round may generate more prompts than a step keeps (veRL's DAPO recipe: 3x)
     load_checked("algorithm.online_filtering=true", "data.mini_rollout_batch_size=1536")
+    load_checked("worker.rollout.top_k=0", "worker.rollout.val_override_config={temperature: 0, top_p: 1.0}")
