@@ -81,7 +81,7 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
 
 class PromptLoader:
     """Batches of prompt dicts from a source, forever, its rows loaded and checked at start-up (load_rows,
-    check_rows). A batch's prompts are built when it is asked for or, with `prefetch`, in a background thread
+    check_rows). A batch's prompts are built when it is asked for or, with `prefetch`, in a daemon thread
     while the previous batch trains (with the loader's own copy of the processor: no tokenizer shared).
     Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e) (file
     order without shuffle), cut into batches of `batch_size` (-1: all rows); drop_last drops the short tail.
@@ -100,8 +100,7 @@ class PromptLoader:
         self.current_epoch, self.batch = 0, 0  # the position of the next batch
         if self.batches_per_epoch == 0:
             raise DataError(f"{files}: {len(self.indices)} rows, fewer than one batch of {batch_size}")
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, "prefetch") if prefetch else None
-        self.pending, self.lock = None, threading.Lock()  # pending: ((epoch, batch), future of that batch)
+        self.prefetch, self.pending, self.lock = prefetch, None, threading.Lock()  # pending: ((epoch, batch), future)
 
     @property
     def batches_per_epoch(self):
@@ -111,15 +110,13 @@ class PromptLoader:
         return self
 
     def __next__(self):
-        position, (built, future) = (self.current_epoch, self.batch), self.pending or (None, None)
-        self.pending = None
+        position, (built, future), self.pending = (self.current_epoch, self.batch), self.pending or (None, None), None
         batch = future.result() if built == position else self._make_batch(*position)  # a build's error raises here
-        self.batch += 1
-        if self.batch == self.batches_per_epoch:
-            self.current_epoch, self.batch = self.current_epoch + 1, 0
-        if self.pool is not None:  # the next batch, built while this one trains
-            position = (self.current_epoch, self.batch)
-            self.pending = (position, self.pool.submit(self._make_batch, *position))
+        self.batch = (self.batch + 1) % self.batches_per_epoch
+        self.current_epoch += self.batch == 0
+        if self.prefetch:  # the next batch, built while this one trains by a daemon thread: exit never waits for it
+            self.pending = ((self.current_epoch, self.batch), concurrent.futures.Future())
+            threading.Thread(target=self._build_into, args=self.pending, name="prefetch", daemon=True).start()
         return batch
 
     def epoch(self):
@@ -128,15 +125,21 @@ class PromptLoader:
 
     def state_dict(self):
         return {"epoch": self.current_epoch, "batch": self.batch, "num_rows": len(self.indices),
-                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
 
     def load_state_dict(self, state):
         now = self.state_dict()
-        for key in ("num_rows", "batch_size", "shuffle", "seed"):
-            if state[key] != now[key]:
+        for key in ("num_rows", "batch_size", "shuffle", "seed", "drop_last"):
+            if state.get(key, now[key]) != now[key]:  # drop_last: states of older versions lack it
                 raise ValueError(f"{self.rows.name}: the loader state was saved with {key}={state[key]}, now it is "
                                  f"{now[key]}; resuming continues the same order only with the same data and config")
         self.current_epoch, self.batch = state["epoch"], state["batch"]  # a prefetched batch of elsewhere is unused
+
+    def _build_into(self, position, future):  # the prefetch thread's work; its error raises in __next__
+        try:
+            future.set_result(self._make_batch(*position))
+        except BaseException as e:
+            future.set_exception(e)
 
     def _make_batch(self, epoch, b):
         order = self.indices
@@ -151,12 +154,11 @@ class PromptLoader:
 def check_rows(rows, builder, workers=1, skip_bad=False):
     """Indices of the rows to train on, every row measured at start-up by `workers` processes, its images and
     videos decoded, so a bad row fails here and not mid-run (and again on every resume):
-      - a bad row (unreadable image or video, null answer, empty prompt, placeholder count mismatch): DataError
-        naming the file and row, or with skip_bad skipped and counted in the log;
+      - a bad row (unreadable image or video, no or empty answer, empty prompt, placeholder count mismatch, a vision
+        token written as text): DataError naming the file and row, or with skip_bad skipped and counted in the log;
       - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts, else a bad row."""
     global _MEASURING
-    cfg, limit = builder.cfg, builder.cfg.max_prompt_length
-    _MEASURING = (rows, builder)
+    cfg, limit, _MEASURING = builder.cfg, builder.cfg.max_prompt_length, (rows, builder)
     workers = max(1, min(workers, len(rows)))
     try:  # per row: its length, or the error message of a bad row
         if workers == 1:
@@ -184,8 +186,7 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
             f"(image and video tokens included)"
             f"{'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
     if not kept:
-        raise DataError(f"{rows.name}: no row is left: {overlong} longer than max_prompt_length={limit}, "
-                        f"{len(bad)} bad")
+        raise DataError(f"{rows.name}: no row left: {overlong} longer than max_prompt_length={limit}, {len(bad)} bad")
     return kept
 
 
@@ -211,8 +212,7 @@ class PromptBuilder:
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"data.min_pixels={cfg.min_pixels} is larger than data.max_pixels={cfg.max_pixels}")
         self.cfg, self.processor, self.tokenizer = cfg, processor, getattr(processor, "tokenizer", processor)
-        self.image_processor = getattr(processor, "image_processor", None)
-        self.rope_model = None
+        self.image_processor, self.rope_model = getattr(processor, "image_processor", None), None
         if self.image_processor is not None:
             # The bare model on the meta device (no weight read or allocated; a 7B model builds in ~0.2 s): its
             # get_rope_index reads only the config, so the positions are the model's own for every Qwen-VL family.
@@ -224,6 +224,7 @@ class PromptBuilder:
                                  "position ids for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text models only")
         self.template = cfg.format_prompt and jinja2.Template(
             _read_text(cfg.format_prompt, "data.format_prompt").strip())
+        self.vision_tokens = [t for t in self.tokenizer.all_special_tokens if re.match(r"<\|(vision|image|video)_", t)]
 
     def build(self, row, index, where):
         """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
@@ -304,10 +305,13 @@ class PromptBuilder:
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
-        if row.get(cfg.answer_key) is None:
-            raise DataError(f"{where}: no answer in column '{cfg.answer_key}'")
+        if (answer := row.get(cfg.answer_key)) is None or not str(answer).strip():  # the reward compares with it
+            raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
         if self.template:
             content = self.template.render(content=content)
+        if found := [token for token in self.vision_tokens if token in content]:
+            raise DataError(f"{where}: the prompt has {sorted(found)} written in it, which the tokenizer reads as the "
+                            "model's vision tokens; mark images and videos with <image> and <video>, remove those")
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
         for kind, key, items in (("image", cfg.image_key, images), ("video", cfg.video_key, videos)):
             if content.count(f"<{kind}>") != len(items):

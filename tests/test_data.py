@@ -9,7 +9,10 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import replace
 
 import datasets
@@ -434,7 +437,7 @@ def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, t
     assert skipping.indices == filtered.indices
     assert f"skipped {dropped} of 12 bad rows (data.skip_bad_rows); the first: " in caplog.text
     assert f"mix.parquet row {first_long}: the prompt is {lengths[first_long]} tokens" in caplog.text
-    with pytest.raises(data.DataError, match="no row is left: 12 longer than max_prompt_length=5"):
+    with pytest.raises(data.DataError, match="no row left: 12 longer than max_prompt_length=5"):
         data.check_rows(source, builder(toy["vl_model"], config(max_prompt_length=5)))
 
 
@@ -515,7 +518,7 @@ def test_loader_epochs_shuffle_and_exact_resume(tmp_path, toy):
     ahead.builder.build = lambda *a: threads.append(threading.current_thread().name) or build(*a)
     assert [indices(next(ahead)) for _ in range(25)] == order
     assert ahead.builder.processor is not straight.builder.processor  # no tokenizer shared with another thread
-    assert set(threads[:12]) == {"MainThread"} and set(threads[12:]) == {"prefetch_0"}, threads
+    assert set(threads[:12]) == {"MainThread"} and set(threads[12:]) == {"prefetch"}, threads
     assert indices(next(make(replace(cfg, seed=2)))) != order[0]
     # Interrupt after 13 batches (mid epoch 1), save, restore into a fresh loader: the same 12 batches follow.
     first = make()
@@ -536,6 +539,42 @@ def test_loader_epochs_shuffle_and_exact_resume(tmp_path, toy):
     assert val.state_dict()["batch"] == 0 and val.current_epoch == 0
     with pytest.raises(data.DataError, match="fewer than one batch of 500"):
         make(batch_size=500)
+
+
+def test_resume_with_another_drop_last_is_an_error(tmp_path, toy):
+    """10 rows in batches of 4: with the tail kept the saved position (0, 2) lies past the last batch of a
+    drop_last loader, which would then yield empty batches forever."""
+    pd.DataFrame([{"problem": f"What is {i}?", "answer": str(i)} for i in range(10)]).to_parquet(tmp_path / "t.parquet")
+    make = lambda drop_last: loader(toy["text_model"], str(tmp_path / "t.parquet"), batch_size=4, drop_last=drop_last)
+    kept = make(False)
+    next(kept), next(kept)
+    with pytest.raises(ValueError, match="saved with drop_last=False, now it is True"):
+        make(True).load_state_dict(kept.state_dict())
+    old = {k: v for k, v in kept.state_dict().items() if k != "drop_last"}  # a state saved before drop_last was
+    resumed = make(False)
+    resumed.load_state_dict(old)
+    assert [len(next(resumed)) for _ in range(2)] == [2, 4] and resumed.current_epoch == 1
+
+
+PREFETCH_EXIT = """import sys, threading, time
+import data, test_data
+loader = test_data.loader(sys.argv[1], sys.argv[2], batch_size=1, prefetch=True)
+build = loader.builder.build  # rows built ahead take 30 s each
+loader.builder.build = lambda *a: threading.current_thread().name != "MainThread" and time.sleep(30) or build(*a)
+next(loader)
+print(time.time(), flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_a_batch_being_prefetched(tmp_path, toy):
+    """A script that takes one batch and ends exits at once, the next batch still being built in the background."""
+    pd.DataFrame([{"problem": f"What is {i}?", "answer": "7"} for i in range(4)]).to_parquet(tmp_path / "p.parquet")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", PREFETCH_EXIT, toy["text_model"], str(tmp_path / "p.parquet")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [os.path.dirname(tests), tests])})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert time.time() - float(run.stdout.split()[-1]) < 10, "the interpreter waited for the prefetched batch"
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -575,6 +614,13 @@ BAD_ROWS = {
                                 "images": [{"bytes": png(56, 56), "path": None}]},
                                r"0 video\(s\) in column 'videos' but 1 <video> placeholder"),
     "null answer": ({"problem": "Q?", "answer": None, "images": []}, "no answer in column 'answer'"),
+    "empty answer": ({"problem": "Q?", "answer": " \n", "images": []}, r"no answer in column 'answer' \(' \\n'\)"),
+    # A vision token written as text: the tokenizer reads it as the real token, and the image count goes wrong.
+    "image token in the text": ({"problem": "<image>Is <|image_pad|> a pad?", "answer": "a",
+                                 "images": [{"bytes": png(56, 56), "path": None}]},
+                                r"\['<\|image_pad\|>'\] written in it"),
+    "vision tokens, text row": ({"problem": "<|vision_start|>Q<|video_pad|>?", "answer": "a", "images": []},
+                                r"\['<\|video_pad\|>', '<\|vision_start\|>'\] written in it"),
     "truncated image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": TRUNCATED, "path": None}]},
                         "image 0 of column 'images' is unreadable: .*truncated"),
     "thin image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": png(1000, 3), "path": None}]},
