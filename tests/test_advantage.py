@@ -150,7 +150,7 @@ def test_reinforce_plus_plus_non_finite_kl_is_an_error(bad):
     """A NaN or inf KL estimate (a broken forward pass) would make every token's advantage NaN through the
     batch whitening: an error naming the response instead, as the other estimators give (via their scores)."""
     kl = [torch.tensor([0.1, 0.2]), torch.tensor([0.3, bad, 0.0])]
-    with pytest.raises(ValueError, match="response 1"):
+    with pytest.raises(ValueError, match="response 1: score 0.0 - beta 0.1 \\* token_kl has NaN or inf values"):
         compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], token_kl=kl, kl_coef=0.1)
     with pytest.raises(ValueError, match="position 1 \\(uid 'a'\\) is not finite"):
         compute_advantages("grpo", [1.0, 0.0], ["a", "a"], token_kl=kl, kl_coef=0.1)

@@ -109,9 +109,13 @@ def test_broken_yaml_and_interpolations_are_config_errors(tmp_path):
     assert load_config(None, ["data.system_prompt=costs \\${5"]).data.system_prompt == "costs ${5"
 
 
-@pytest.mark.parametrize("override", ["worker.actor.optim.lr=abc", "worker.rollout.n=2.5", "algorithm.disable_kl=maybe"])
-def test_bad_value_type(override):
-    with pytest.raises(ConfigError, match="expected"):
+@pytest.mark.parametrize("override, message", [
+    ("worker.actor.optim.lr=abc", "worker.actor.optim.lr='abc' (command line): expected float"),
+    ("worker.rollout.n=2.5", "worker.rollout.n=2.5 (command line): expected int"),
+    ("algorithm.disable_kl=maybe", "algorithm.disable_kl='maybe' (command line): expected bool"),
+])
+def test_bad_value_type(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + "$"):
         load_config(None, [override])
 
 

@@ -274,7 +274,7 @@ def test_tis_weights_capped_and_detached():
 def test_bad_inputs_speak():
     with pytest.raises(ValueError, match="unknown loss_type 'ppo'.*gspo_token"):
         run("ppo", [0.0], [0.0], [1.0], [0, 1])
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must run from 0 to the token count 2, got \[0, 1\]"):
         run("default", [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0, 1])
     with pytest.raises(ValueError, match="decreases"):
         run("default", [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0, 2, 1, 2])

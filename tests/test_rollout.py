@@ -10,6 +10,7 @@ of token t is ~ 8 * lm_head[t, 0]: setting that column picks which tokens the mo
 import importlib.util
 import os
 import random
+import re
 import types
 
 import pytest
@@ -419,7 +420,17 @@ def test_sampling_settings_merge_and_reject_unknown_keys():
 
 
 def test_derive_seed_is_stable_and_separates_its_inputs():
-    assert rollout.derive_seed(1, 2, 3) == rollout.derive_seed(1, 2, 3)
+    """Stable across processes: two interpreters with different string-hash seeds (where hash() of a str differs)
+    give the value this process gets, for string parts too."""
+    import subprocess
+    import sys
+
+    code = "import rollout; print(rollout.derive_seed('run', 1, 'rank0'), rollout.derive_seed(1, 2, 3))"
+    here = [str(rollout.derive_seed("run", 1, "rank0")), str(rollout.derive_seed(1, 2, 3))]
+    for hash_seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(rollout.__file__), check=True,
+                             capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert out.stdout.split() == here, (hash_seed, out.stdout, here)
     seeds = {rollout.derive_seed(1, step, rank) for step in range(50) for rank in range(8)}
     assert len(seeds) == 400 and all(0 <= s < 2 ** 62 for s in seeds)
 
@@ -436,8 +447,9 @@ def test_bad_inputs_fail_with_clear_errors(toy, world):
                                   device="cpu")
     with pytest.raises(KeyError, match="prompt 0 lacks"):
         engine.generate([{"uid": "x"}], n=1)
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match=re.escape("top_p=0.0 (in (0, 1])")):  # the message lists every setting
         engine.generate(world.prompts, n=1, top_p=0.0)
+    assert len(engine.generate(world.prompts, n=1, top_p=0.5)) == 3  # the same call in range: top_p was the cause
     no_positions = {k: v for k, v in world.prompts[0].items() if k != "position_ids"}
     with pytest.raises(ValueError, match="position_ids"):
         engine.generate([no_positions], n=1)
@@ -560,7 +572,7 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
 
 def test_trust_remote_code_reaches_every_load_of_the_transformers_engine(toy, monkeypatch):
     """worker.rollout.trust_remote_code (handed over by the trainer from the model section) goes to the config,
-    model, generation-config and tokenizer loads."""
+    model and generation-config loads (the tokenizer is loaded only without a generation config: not here)."""
     import transformers
 
     seen = []
