@@ -345,7 +345,8 @@ def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path,
     memory = dict((phase, (where, allocated)) for phase, where, allocated in results[True][0])
     for phase in ("init", "log_probs", "update", "offload"):
         params, state, _ = memory[phase][0]
-        assert params == {"host"} and state <= {"host"}, (phase, params, state)
+        lazy = phase in ("init", "log_probs")  # AdamW makes its state at the first step: none before the update
+        assert params == {"host"} and (state <= {"host"} if lazy else state == {"host"}), (phase, params, state)
     params, state, size = memory["onload"][0]
     assert params == {"cuda"} and state == {"cuda"}, ("onload", params, state)
     assert memory["onload"][1] - memory["offload"][1] >= size, (size, memory)
