@@ -43,17 +43,18 @@ class MergeError(ValueError):
 def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force=False, max_shard_size="2GB"):
     """Merge the actor checkpoint in `local_dir` into a Hugging Face folder; returns the output path.
     dtype: None keeps each tensor's stored dtype; "bf16" | "fp16" | "fp32" casts every floating tensor."""
-    local_dir = os.path.abspath(local_dir)
-    model_dir, hf_dir = check_checkpoint(local_dir)
+    model_dir, hf_dir = check_checkpoint(local_dir := os.path.abspath(local_dir))
     if dtype is not None and str(dtype).lower().removeprefix("torch.") not in DTYPES:
         raise MergeError(f"dtype {dtype!r} cannot be written: choose bf16, fp16 or fp32 (None keeps the stored dtype)")
-    dtype = dtype and DTYPES[str(dtype).lower().removeprefix("torch.")]
-    max_bytes = parse_size(max_shard_size)
+    dtype, max_bytes = dtype and DTYPES[str(dtype).lower().removeprefix("torch.")], parse_size(max_shard_size)
     lora_path = os.path.join(hf_dir, "adapter_config.json")
-    lora = json.load(open(lora_path)) if os.path.exists(lora_path) else None
+    try:  # invalid JSON, or no r or lora_alpha (peft would load its default 8 for either: another scale, no error)
+        lora = json.load(open(lora_path)) if os.path.exists(lora_path) else None
+        lora and [lora[key] for key in ("r", "lora_alpha")]  # a KeyError naming the missing one
+    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        raise MergeError(f"{lora_path} cannot be read as a LoRA config: {e!r}; copy it again from the run") from None
     if merge_lora and lora is None:
-        raise MergeError(f"--merge_lora was given but {lora_path} does not exist: this is a full-model "
-                         f"checkpoint, merge it without --merge_lora")
+        raise MergeError(f"--merge_lora was given but {lora_path} does not exist: merge this full model without it")
     if lora and (lora.get("use_dora") or lora.get("alpha_pattern") or lora.get("modules_to_save")):
         raise MergeError(f"{lora_path}: merge.py handles plain LoRA only (no use_dora, alpha_pattern or "
                          f"modules_to_save); load the checkpoint into the peft model and use peft's save/merge instead")
@@ -62,24 +63,25 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
     check_output(output, local_dir, force)
 
     tensors = read_metadata(model_dir)
-    partial = output + ".partial"  # renamed into place at the end: a crash leaves no half-written output
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    partial, work = output + ".partial", output + ".partial/new"  # work is renamed into place at the end, so a crash
+    if os.path.lexists(partial):  # leaves no half-written output, only <output>.partial: ours, removed here
+        print(f"merge.py: removing {partial}, left by an interrupted merge")
+        shutil.rmtree(partial)
+    skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
+    shutil.copytree(hf_dir, work, ignore=shutil.ignore_patterns(*skip))  # tokenizer, processor, ...
     try:
-        if adapter_only:
-            write_adapter(model_dir, tensors, lora, partial, dtype)
-        else:
-            dtype = write_model(model_dir, tensors, hf_dir, lora, partial, dtype, max_bytes)
+        dtype = (write_adapter(model_dir, tensors, lora, work, dtype) if adapter_only else
+                 write_model(model_dir, tensors, hf_dir, lora, work, dtype, max_bytes))  # -> the dtype written
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
-    shutil.copytree(hf_dir, partial, ignore=shutil.ignore_patterns(*skip), dirs_exist_ok=True)  # tokenizer, ...
     if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") loads it unchanged
-        config = {**json.load(open(os.path.join(partial, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
-        json.dump(config, open(os.path.join(partial, "config.json"), "w"), indent=2, sort_keys=True)
-    shutil.rmtree(output, ignore_errors=True)  # exists only with --force (check_output)
-    os.replace(partial, output)
+        config = {**json.load(open(os.path.join(work, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
+        json.dump(config, open(os.path.join(work, "config.json"), "w"), indent=2, sort_keys=True)
+    if force and os.path.isdir(output):  # kept aside until the new output is in place: a crash in between loses nothing
+        os.replace(output, os.path.join(partial, "old"))
+    os.replace(work, output)  # without --force, an output made meanwhile by someone else is an error, never deleted
+    shutil.rmtree(partial)
     return output
 
 
@@ -142,44 +144,45 @@ def lora_plan(tensors, lora):
         key_a, key_b = f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight"
         if key_a not in tensors or key_b not in tensors or len(tensors[key_a].size) != 2:
             raise MergeError(f"{key} has no 2-d {key_a} / {key_b} pair; use peft's merge_and_unload()")
-        rank = tensors[key_a].size[0]
-        scale = lora["lora_alpha"] / (math.sqrt(rank) if lora.get("use_rslora") else rank)
+        scale = lora["lora_alpha"] / (math.sqrt if lora.get("use_rslora") else float)(tensors[key_a].size[0])
         plan[name] = (key, (key_a, key_b, scale, bool(lora.get("fan_in_fan_out"))))
     return plan
 
 
 def write_adapter(model_dir, tensors, lora, out_dir, dtype):
     """adapter_model.safetensors with peft's saved names (`...lora_A.default.weight` -> `...lora_A.weight`)."""
-    keys = [key for key in tensors if ".lora_" in key]
-    adapter = adapter_name(keys)
+    keys, adapter = [key for key in tensors if ".lora_" in key], adapter_name(tensors)
     loaded = read_tensors(model_dir, tensors, keys)
     out = {re.sub(rf"\.{re.escape(adapter)}(\.weight)?$", r"\1", key): cast(loaded.pop(key), dtype) for key in keys}
     save_file(out, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump({**lora, "inference_mode": True}, f, indent=2, sort_keys=True)
+    json.dump({**lora, "inference_mode": True}, open(f"{out_dir}/adapter_config.json", "w"), indent=2, sort_keys=True)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 def check_checkpoint(local_dir):
-    model_dir, hf_dir = os.path.join(local_dir, "model"), os.path.join(local_dir, "huggingface")
+    model_dir, hf_dir, step = f"{local_dir}/model", f"{local_dir}/huggingface", os.path.dirname(local_dir)
     if not os.path.exists(os.path.join(model_dir, ".metadata")):
-        nested = os.path.join(local_dir, "actor")
-        hint = f" Did you mean --local_dir {nested}?" if os.path.exists(f"{nested}/model/.metadata") else ""
+        hint = os.path.exists(f"{local_dir}/actor/model/.metadata") and f" Did you mean --local_dir {local_dir}/actor?"
         raise MergeError(f"{local_dir} is not an actor checkpoint: {model_dir}/.metadata (torch.distributed.checkpoint)"
-                         f" does not exist. Pass checkpoints/<project>/<exp>/global_step_N/actor.{hint}")
-    if not os.path.exists(os.path.join(hf_dir, "config.json")):
-        raise MergeError(f"{hf_dir}/config.json does not exist: the checkpoint lacks its Hugging Face config copy; "
-                         f"copy the base model's config, tokenizer and processor files into {hf_dir}")
+                         f" does not exist. Pass checkpoints/<project>/<exp>/global_step_N/actor.{hint or ''}")
+    if re.fullmatch(r"global_step_\d+", os.path.basename(step)) and not os.path.exists(f"{step}/trainer_state.json"):
+        raise MergeError(f"{step} has no trainer_state.json (trainer.py writes it last): its save did not finish")
+    vl = os.path.exists(f"{hf_dir}/config.json") and "vision_config" in json.load(open(f"{hf_dir}/config.json"))
+    needed = ["config.json", "tokenizer_config.json"] + ["processor_config.json or preprocessor_config.json"] * vl
+    if missing := [f for f in needed if not any(os.path.exists(f"{hf_dir}/{name}") for name in f.split(" or "))]:
+        raise MergeError(f"{hf_dir} lacks {', '.join(missing)} (save or copy cut short); copy them from the base model")
     return model_dir, hf_dir
 
 
 def check_output(output, local_dir, force):
     """Not the checkpoint, a folder above it, or inside what Actor.save_checkpoint wrote there (symlinks resolved)."""
-    output, local_dir = os.path.realpath(output), os.path.realpath(local_dir)
-    ins = [os.path.join(local_dir, name) for name in ("model", "optim", "extra_state.pt", "huggingface")]
-    if (local_dir + os.sep).startswith(output + os.sep) or any((output + os.sep).startswith(p + os.sep) for p in ins):
-        raise MergeError(f"--output {output} would overwrite the checkpoint {local_dir}; choose another folder")
+    real, local_dir = os.path.realpath(output), os.path.realpath(local_dir)
+    ins = tuple(os.path.join(local_dir, name) + os.sep for name in ("model", "optim", "extra_state.pt", "huggingface"))
+    if (local_dir + os.sep).startswith((real + os.sep, real + ".partial/")) or (real + os.sep).startswith(ins):
+        raise MergeError(f"--output {real} would overwrite the checkpoint {local_dir}; choose another folder")
+    if os.path.islink(output) or os.path.exists(output) and not os.path.isdir(output):  # --force would not replace it
+        raise MergeError(f"--output {output} is a file or a symlink; remove it or choose another --output")
     if os.path.exists(output) and not force:
         raise MergeError(f"{output} already exists; pass --force to replace it, or choose another --output")
 
@@ -263,10 +266,9 @@ def main(argv=None):
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
     args = parser.parse_args(argv)
     try:
-        out = merge_checkpoint(**vars(args))
+        print(f"merged {args.local_dir} -> {merge_checkpoint(**vars(args))}")
     except MergeError as e:
         parser.exit(2, f"merge.py: error: {e}\n")
-    print(f"merged {args.local_dir} -> {out}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def ckpts(toy, tmp_path_factory):
     out["vl"] = str(root / "single" / "global_step_1" / "actor")  # one process, plain tensors
     dcp.save(vl.state_dict(), checkpoint_id=os.path.join(out["vl"], "model"), no_dist=True)
     write_hf_dir(toy["vl_model"], os.path.join(out["vl"], "huggingface"))
+    (root / "single" / "global_step_1" / "trainer_state.json").write_text("{}")  # the save finished
 
     out["vl_fsdp"], out["lora_fsdp"] = str(root / "fsdp" / "actor"), str(root / "lora" / "actor")
     spawn_two_ranks(fsdp_worker, [("vl", toy, str(root / "vl_ref.pt"), os.path.join(out["vl_fsdp"], "model")),
@@ -360,8 +361,8 @@ def test_merge_lora_refuses_an_adapted_tied_head(toy, tmp_path):
     model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, lora_alpha=8,
                                                                                 target_modules=["q_proj", "lm_head"]))
     dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "model"), no_dist=True)
-    config.save_pretrained(tmp_path / "huggingface")
-    model.peft_config["default"].save_pretrained(tmp_path / "huggingface")
+    write_hf_dir(toy["text_model"], str(tmp_path / "huggingface"), model.peft_config["default"])
+    config.save_pretrained(tmp_path / "huggingface")  # tie_word_embeddings=True
     with pytest.raises(merge.MergeError, match=r"\['lm_head.weight'\] carry LoRA but are tied"):
         merge.merge_checkpoint(str(tmp_path), merge_lora=True)
     assert not os.path.exists(tmp_path / "merged") and not os.path.exists(tmp_path / "merged.partial")
