@@ -180,6 +180,7 @@ class Run:
         the step's KL, the mean over responses of sum_t kl_t / L_i (actor/kl_penalty)."""
         a, beta = self.cfg.algorithm, self.kl_ctrl.value
         if a.disable_kl or a.use_kl_loss:
+            metrics.update({} if a.disable_kl else {"actor/kl_coef": a.kl_coef})  # the KL loss's weight, as EasyR1's
             return None, beta
         token_kl = [actor.kl_penalty(s["old_logprobs"], s["ref_logprobs"], a.kl_penalty) for s in samples]
         current_kl = sum(float(k.sum()) / max(len(k), 1) for k in token_kl) / len(samples)
@@ -221,20 +222,19 @@ class Run:
 
     def validate(self):
         self.workers.sync_weights()
-        scores, lengths, logged, override = [], [], [], self.cfg.worker.rollout.val_override_config
+        scores, pairs, override = [], [], self.cfg.worker.rollout.val_override_config
         for b, prompts in enumerate(self.val_loader.epoch()):  # a seed a batch: prompt i's sample j draws (seed, i, j)
             responses = self.workers.generate(prompts, self.sampling(("validation", b), override))
-            batch_scores = self.score(prompts, responses)
-            scores += batch_scores
-            lengths += [len(r["response_ids"]) for r in responses]
-            for r, s in list(zip(responses, batch_scores))[:self.cfg.trainer.val_generations_to_log - len(logged)]:
-                p = prompts[r["prompt_index"]]
-                logged.append({"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
-                               "ground_truth": p["ground_truth"], "score": s["overall"]})
+            scores += self.score(prompts, responses)
+            slim = [{k: p[k] for k in ("prompt_ids", "prompt_text", "ground_truth")} for p in prompts]  # no pixels kept
+            pairs += [(slim[r["prompt_index"]], r) for r in responses]
         self.workers.sleep()
         metrics = {f"val/{k}_reward": sum(s[k] for s in scores) / len(scores) for k in scores[0]}
         metrics["val/reward_score"] = metrics["val/overall_reward"]
-        metrics.update(_stats("val_response_length", lengths))
+        metrics.update(_length_metrics(pairs, self.cfg.data.max_prompt_length, prefix="val_"))
+        logged = [{"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
+                   "ground_truth": p["ground_truth"], "score": s["overall"]}
+                  for (p, r), s in zip(pairs[:max(self.cfg.trainer.val_generations_to_log, 0)], scores)]  # file order
         self.logger.log_generations(logged, self.step)
         return metrics
 
@@ -305,12 +305,7 @@ def _sample(prompt, response):
 def _batch_metrics(prompts, responses, samples, cfg, metrics):
     """Lengths, rollout-vs-actor log-prob gap, throughput and timing per token (EasyR1's metrics.py: gen and
     reward per response token, the passes over the batch per prompt + response token)."""
-    lengths = [len(r["response_ids"]) for r in responses]
-    out = _stats("response_length", lengths)
-    out["response_length/clip_ratio"] = sum(r["finish_reason"] == "length" for r in responses) / len(responses)
-    out.update(_stats("prompt_length", [len(p["prompt_ids"]) for p in prompts]))
-    out["prompt_length/clip_ratio"] = sum(len(p["prompt_ids"]) >= cfg.data.max_prompt_length
-                                          for p in prompts) / len(prompts)
+    out = _length_metrics([(prompts[r["prompt_index"]], r) for r in responses], cfg.data.max_prompt_length)
     diffs = torch.cat([(s["rollout_logprobs"] - s["old_logprobs"].float()).abs() for s in samples])
     if len(diffs):  # a broken weight sync shows up here first
         out.update({"rollout/logp_diff_mean": diffs.mean().item(), "rollout/logp_diff_max": diffs.max().item()})
@@ -318,11 +313,20 @@ def _batch_metrics(prompts, responses, samples, cfg, metrics):
     step_time = metrics.get("timing_s/step", 0.0)
     out.update({"perf/total_num_tokens": tokens, "perf/time_per_step": step_time,
                 "perf/throughput": tokens / max(step_time, 1e-9) / (cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)})
-    for stage in ("gen", "reward", "old", "ref", "adv", "update_actor"):
-        if f"timing_s/{stage}" in metrics:
-            count = sum(lengths) if stage in ("gen", "reward") else tokens
-            out[f"timing_per_token_ms/{stage}"] = 1000 * metrics[f"timing_s/{stage}"] / max(count, 1)
+    for stage in [k for k in ("gen", "reward", "old", "ref", "adv", "update_actor") if f"timing_s/{k}" in metrics]:
+        count = sum(len(s["response_ids"]) for s in samples) if stage in ("gen", "reward") else tokens
+        out[f"timing_per_token_ms/{stage}"] = 1000 * metrics[f"timing_s/{stage}"] / max(count, 1)
     return out
+
+
+def _length_metrics(pairs, max_prompt_length, prefix=""):
+    """{prefix}response_length/* and {prefix}prompt_length/* over (prompt, response) pairs, a prompt once per response,
+    as EasyR1's compute_length_metrics; clip_ratio: the share of responses without an EOS, of prompts at the limit."""
+    plens, n = [len(p["prompt_ids"]) for p, _ in pairs], len(pairs)
+    return {**_stats(f"{prefix}response_length", [len(r["response_ids"]) for _, r in pairs]),
+            f"{prefix}response_length/clip_ratio": sum(r["finish_reason"] == "length" for _, r in pairs) / n,
+            **_stats(f"{prefix}prompt_length", plens),
+            f"{prefix}prompt_length/clip_ratio": sum(k >= max_prompt_length for k in plens) / n}
 
 
 def _attach(samples, key, values):
