@@ -42,8 +42,7 @@ def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
     is_top = s.x == s.max[s.g]                                             # [N]
     n_top = group_reduce(is_top.double(), s.g, len(s.n))                   # [G]
     below = group_reduce(torch.where(is_top, -torch.inf, s.x), s.g, len(s.n), "amax")  # [G]
-    second = torch.where(n_top > 1, s.max, below)                          # [G]
-    adv = torch.where(is_top, ((s.max - second) / (s.std + eps))[s.g], 0.0)  # [N]
+    adv = torch.where(is_top & (n_top == 1)[s.g], ((s.max - below) / (s.std + eps))[s.g], 0.0)  # [N]
     return torch.where(s.flat[s.g], 0.0, adv).float()
 
 
@@ -106,7 +105,7 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
                        kl_coef=0.0, **opts):
     """Advantages from the estimator `name` (a key of ESTIMATORS); inputs and outputs as in the module
     docstring. lengths [N]: for TOKEN_LEVEL (from token_kl when not given); baselines: remax only;
-    norm_by_std (algorithm.norm_adv_by_std_in_grpo): grpo only, as in EasyR1; opts: eps, allow_singletons."""
+    norm_by_std (algorithm.norm_adv_by_std_in_grpo, veRL's; EasyR1 has none): grpo only; opts: eps, allow_singletons."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     if baselines is not None and name != "remax":
@@ -129,8 +128,7 @@ def kl_in_reward(scores, kl_sums, beta):
     estimate (the one chosen by algorithm.kl_penalty, between the old policy and the reference)."""
     scores, kl_sums = torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(kl_sums, dtype=torch.float64)
     if scores.shape != kl_sums.shape or scores.dim() != 1:
-        raise ValueError(f"kl_in_reward: scores {tuple(scores.shape)} and kl_sums {tuple(kl_sums.shape)} "
-                         f"must both be [N]")
+        raise ValueError(f"kl_in_reward: scores {list(scores.shape)}, kl_sums {list(kl_sums.shape)}: must both be [N]")
     return scores - beta * kl_sums
 
 

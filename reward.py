@@ -227,7 +227,7 @@ def math_reward(sample, format_weight=0.1, timeout=10.0):
     return _weighted(accuracy, form, format_weight)
 
 
-R1V_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+R1V_THINK_END = re.compile(r"</think>\s*<answer>")
 R1V_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -235,13 +235,15 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     """R1-V style <think>/<answer> (EasyR1's r1v.py).
 
     format   = 1 if the raw response fullmatches <think>.*?</think>\\s*<answer>.*?</answer> (DOTALL), else 0
-               (nothing is stripped: a newline after </answer> gives 0, as in EasyR1)
+               (nothing is stripped: a newline after </answer> gives 0, as in EasyR1); checked in linear time:
+               starts with <think>, ends with </answer>, and its first </think>\\s*<answer> fits between them
     accuracy = 1 if the content of the first <answer>...</answer> (the whole response when there is
                none, as in EasyR1) is equivalent to the ground truth, else 0
     overall  = (1 - format_weight) * accuracy + format_weight * format
     """
     text = sample["response"]
-    form = 1.0 if R1V_FORMAT.fullmatch(text) else 0.0
+    pair = R1V_THINK_END.search(text, len("<think>")) if text.startswith("<think>") else None
+    form = 1.0 if pair and text.endswith("</answer>") and pair.end() <= len(text) - len("</answer>") else 0.0
     found = R1V_ANSWER.search(text)
     accuracy = 1.0 if is_equivalent(found.group(1) if found else text, sample["ground_truth"], timeout) else 0.0
     return _weighted(accuracy, form, format_weight)

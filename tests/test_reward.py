@@ -167,6 +167,24 @@ def test_r1v_table(response, truth, form, acc):
     assert got == {"overall": 0.5 * acc + 0.5 * form, "format": float(form), "accuracy": float(acc)}
 
 
+def test_r1v_format_equals_easyr1():
+    """The linear-time format check agrees with EasyR1's r1v.py fullmatch on random tag soups."""
+    easyr1 = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+    rng, parts = random.Random(0), ["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "a", "<", "/"]
+    for _ in range(5000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randrange(9)))
+        assert reward.r1v_reward(sample(text, "zz"), timeout=0)["format"] == float(bool(easyr1.fullmatch(text))), text
+
+
+def test_r1v_degenerate_long_response_is_fast():
+    """Repeated complete tag pairs then one stray character: EasyR1's lazy fullmatch retries every </answer> for
+    every </think><answer>, quadratic (6,000 pairs, 192k characters: ~9 s)."""
+    text = "<think></think><answer></answer>" * 6000 + "x"
+    start = time.perf_counter()
+    assert reward.r1v_reward(sample(text, "1"), timeout=0) == {"overall": 0.0, "format": 0.0, "accuracy": 0.0}
+    assert time.perf_counter() - start < 2.0
+
+
 @pytest.mark.parametrize("raw,normalized", [
     ("1,000", "1000"), ("\\boxed{5}", "5"), ("$\\frac12$", "\\frac{1}{2}"), ("x = 7", "7"), ("5 degrees", "5"),
     ("\\text{(B)}", "(B)"), ("\\sqrt2", "\\sqrt{2}"), ("10^{\\circ}", "10"), ("an apple", "apple"), ("12 cm", "12"),
@@ -195,6 +213,17 @@ def test_dapo_overlong_penalty(length, overlong):
     got = reward.dapo_reward(sample("Answer: 4", "4", response_length=length), **DAPO_KW)
     assert got["overlong"] == pytest.approx(overlong, abs=1e-12)
     assert got["overall"] == pytest.approx(1.0 + 0.5 * overlong, abs=1e-12)
+
+
+def test_dapo_overlong_buffer_bounds():
+    """L_buf = 0: -1 as soon as L > L_max (EasyR1: L <= 100 -> 0, else -1); a buffer outside [0, L_max] is an error
+    (EasyR1, L_buf = 120 > L_max = 100, penalises an empty response: (100 - 120 - 0) / 120 = -1/6)."""
+    no_buffer = {**DAPO_KW, "overlong_buffer_length": 0}
+    assert [reward.dapo_reward(sample("Answer: 4", "4", response_length=n), **no_buffer)["overlong"]
+            for n in (0, 100, 101)] == [0.0, 0.0, -1.0]
+    for buffer in (-1, 120):
+        with pytest.raises(RewardError, match="overlong_buffer_length"):
+            load_reward_function("dapo", **{**DAPO_KW, "overlong_buffer_length": buffer})([sample("Answer: 4", "4")])
 
 
 def test_dapo_needs_its_kwargs_at_load_time():
