@@ -298,8 +298,8 @@ def check_config(cfg):
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off): out of range")
     if alg.gamma != 1.0:
-        raise ConfigError("algorithm.gamma must be 1.0: a response has one reward at its end, so a discount "
-                          "only rescales it (per-token rewards are not supported)")
+        raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
+                          "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")
     if a.ulysses_size != 1:
         raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
     if not a.padding_free:
