@@ -3,10 +3,10 @@
     cfg = load_config("configs/geo3k.yaml", ["worker.rollout.n=8", "trainer.logger=[console,wandb]"])
     cfg.worker.actor.optim.lr                      # 1e-06: plain dataclasses, one per section
 
-Defaults are EasyR1's `examples/config.yaml` but for the actor's offload (off; README); configs/geo3k.yaml documents
-every key. load_config merges defaults <- YAML file <- `a.b.c=value` overrides with OmegaConf, as EasyR1: a value must
-fit its key's type (`n=2.5` fails), `a,b` sets a list key, a dict key given whole is replaced, and an unknown key
-names the closest valid one.
+Defaults are EasyR1's `examples/config.yaml` with its geo3k script's data and model, but for the actor's offload and
+the logger (README); configs/geo3k.yaml documents every key. load_config merges defaults <- YAML file <- `a.b.c=value`
+overrides with OmegaConf, as EasyR1: a value must fit its key's type (`n=2.5` fails), `a,b` sets a list key, a dict
+key given whole is replaced, and an unknown key names the closest valid one (EASYR1_ONLY's: why they are not here).
 check_config checks values against each other; trainer.check_choices those each stage lists in its own table.
 """
 
@@ -233,20 +233,17 @@ def load_config(path=None, overrides=()):
     try:
         cfg = OmegaConf.structured(Config)  # struct mode: a key that is not a field is an error
         if path is not None:
-            path = _config_file(path)
-            tree = OmegaConf.load(path)
+            tree = OmegaConf.load(path := _config_file(path))
             if not isinstance(tree, DictConfig):
                 raise ConfigError(f"{path}: expected a mapping of sections at the top level, got a list")
             cfg = _merge(cfg, tree, path, replace_dicts=True)
         for item in overrides:
             key, equals, value = item.partition("=")
-            key = key.strip()
-            if not equals:
+            if not (key := key.strip()) or not equals:
                 raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
             if any(k.startswith(key + ".") for k in KEYS):
                 raise ConfigError(f"{key} is a section; set its keys ({key}.<key>=value)")
-            if KEYS.get(key) is list and not value.lstrip().startswith("["):
-                value = f"[{value}]"  # a,b,c on the command line
+            value = f"[{value}]" if KEYS.get(key) is list and not value.lstrip().startswith("[") else value  # a,b,c
             # `val_override_config={...}` replaces the dict; `val_override_config.top_p=0.9` sets one entry
             cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), "command line", replace_dicts=key in KEYS)
         cfg = OmegaConf.to_object(cfg)  # the dataclasses, ${...} interpolations resolved
@@ -300,10 +297,9 @@ def check_config(cfg):
     if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
                           "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")
-    if a.ulysses_size != 1:
-        raise ConfigError("worker.actor.ulysses_size > 1 (sequence parallelism) is not supported; set it to 1")
-    if not a.padding_free:
-        raise ConfigError("worker.actor.padding_free=false is not supported: the actor always packs sequences")
+    if a.ulysses_size != 1 or not a.padding_free:  # EasyR1's keys, kept so that its configs load
+        raise ConfigError(f"worker.actor.ulysses_size={a.ulysses_size}, padding_free={a.padding_free}: only 1 and "
+                          "true are supported (no sequence parallelism; the actor always packs sequences)")
 
 
 def _merge(cfg, layer, source, replace_dicts):
@@ -318,7 +314,7 @@ def _merge(cfg, layer, source, replace_dicts):
         leaves = {k.split(".")[-1]: k for k in reversed(KEYS)}  # last part -> the first key ending in it
         close = difflib.get_close_matches(e.full_key, KEYS, n=1, cutoff=0.5) or [
             leaves[m] for m in difflib.get_close_matches(e.full_key.split(".")[-1], leaves, n=1, cutoff=0.6)]
-        hint = f" did you mean {close[0]}?" if close else ""
+        hint = EASYR1_ONLY.get(e.full_key) or (f" did you mean {close[0]}?" if close else "")
         raise ConfigError(f"unknown config key {e.full_key!r} ({source}).{hint}") from None
     except OmegaConfBaseException as e:
         if e.full_key not in KEYS:  # e.g. a value given for a whole section
@@ -346,4 +342,8 @@ def _leaves(cls, prefix=""):
 
 
 KEYS = dict(_leaves(Config))  # every dotted key and its type: "worker.rollout.n" -> int
+EASYR1_ONLY = {k: f" EasyR1's key, not supported here: {v}." for k, v in {  # not a near miss: why there is none
+    "worker.critic": "no critic (no gae)", "algorithm.lam": "GAE's (no gae)", "trainer.critic_warmup": "no critic",
+    "worker.hybrid_engine": "the rollout always shares the actor's GPUs", "trainer.ray_timeline": "no Ray timeline",
+    "worker.reward.num_cpus": "rewards run on the driver", "worker.ref.strategy": "always FSDP, as the actor"}.items()}
 config_to_dict = dataclasses.asdict  # a Config as nested dicts, for printing and logging

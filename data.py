@@ -57,7 +57,7 @@ from transformers import AutoConfig, AutoModel, AutoProcessor, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
-FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
+FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
 _MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
 
@@ -452,7 +452,7 @@ class Rows:
 
 def load_rows(spec, cfg):
     """Rows of `spec`, one of:
-      - a local .parquet/.json/.jsonl file (its one split is train, as datasets names it: `file@train` is allowed);
+      - a local .parquet/.json/.jsonl/.csv/.arrow file (its one split is train, as datasets names it: `file@train`);
       - a local folder, `folder@split`: every such file under it with a word of its name starting with split (default
         train): `train` takes geo_train.parquet and training-0.jsonl, not pretrain_test.parquet;
       - a hub dataset, `name@split`, through datasets.load_dataset (split default train).
@@ -480,7 +480,7 @@ def load_rows(spec, cfg):
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names
                        if os.path.splitext(f)[1] in FILE_BUILDERS and re.search(rf"(?<![a-zA-Z]){re.escape(split)}", f))
         if not files:
-            raise DataError(f"'{spec}': no .parquet/.json/.jsonl file under {local} has a name word starting '{split}'")
+            raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name word starting {split!r}")
         parts = [(f, _read_file(f)) for f in files]
         for f in [f for f, part in parts if part is None]:
             logger.warning(f"{f} has no rows; skipped")
@@ -503,7 +503,7 @@ def _read_file(path):
     a json/jsonl file that is blank or `[]` (datasets' own errors there name neither the file nor the cause)."""
     extension = os.path.splitext(path)[1]
     if extension not in FILE_BUILDERS:
-        raise DataError(f"{path}: not a .parquet, .json or .jsonl file")
+        raise DataError(f"{path}: not a {', '.join(FILE_BUILDERS)} file")
     if os.path.getsize(path) == 0:
         return None
     if extension == ".parquet":

@@ -185,7 +185,7 @@ def test_every_local_source_form(tmp_path, monkeypatch, toy):
     assert len(data.load_rows(f"{tmp_path / 'set.parquet'}@train", cfg)) == len(ROWS)  # as EasyR1 (datasets) reads it
     pd.DataFrame(ROWS).to_parquet(tmp_path / "set@v2.parquet")  # an @ in a file's own name is not a split
     assert len(data.load_rows(str(tmp_path / "set@v2.parquet"), cfg)) == len(ROWS)
-    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl file under .* name word starting 'validation'"):
+    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl/.csv/.arrow file in .* starting 'validation'"):
         data.load_rows(f"{folder}@validation", cfg)
     # The repo-relative toy path resolves from any working directory.
     monkeypatch.chdir(tmp_path)
@@ -203,6 +203,17 @@ def test_a_folder_split_is_a_word_of_the_file_name_not_any_substring(tmp_path):
     assert [p for p, _ in test.parts] == [str(tmp_path / "pretrain_test.parquet")] and test[0] == ROWS[2]
     pd.DataFrame(ROWS).to_parquet(tmp_path / "training-00000.parquet")  # a word starting with the split still counts
     assert len(data.load_rows(f"{tmp_path}@train", config())) == 2 + 2 + len(ROWS)
+
+
+def test_csv_and_arrow_files_load_as_easyr1_loads_them(tmp_path):
+    """EasyR1 hands a file's extension to datasets as its builder (verl/utils/dataset.py:139, "jsonl" -> "json"),
+    so .csv and .arrow files (datasets' save_to_disk shards) load there; csv reads "2" back as the int 2."""
+    pd.DataFrame(ROWS).to_csv(tmp_path / "set.csv", index=False)
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "set.csv", next((tmp_path / "saved").glob("*.arrow"))):
+        rows = data.load_rows(str(path), config())
+        assert [(rows[i]["problem"], str(rows[i]["answer"])) for i in range(len(rows))] == \
+            [(r["problem"], r["answer"]) for r in ROWS], path
 
 
 def test_an_empty_file_has_no_rows(tmp_path):
