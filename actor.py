@@ -421,7 +421,7 @@ class Actor:
         if self.rank == 0:
             rng = {"python": random.getstate(), "cpu": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-            torch.save({"optimizer_steps": self.optimizer_steps, "rng": rng,
+            torch.save({"optimizer_steps": self.optimizer_steps, "rng": rng, "optim_strategy": self.cfg.optim.strategy,
                         "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
                        os.path.join(path, "extra_state.pt"))
             save_hf_files(self.cfg.model, os.path.join(path, "huggingface"), self.module if self.lora_rank else None)
@@ -436,6 +436,12 @@ class Actor:
         if missing:
             raise FileNotFoundError(f"Actor.load_checkpoint: {path} lacks {', '.join(missing)}; expected the folder "
                                     "that Actor.save_checkpoint wrote (global_step_N/actor, not save_model_only)")
+        extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)  # tensors and plain containers
+        saved = extra.get("optim_strategy", self.cfg.optim.strategy)  # checkpoints before this key: not checked
+        if self.optimizer is not None and saved != self.cfg.optim.strategy:
+            raise ValueError(f"{path} holds the state of optim.strategy={saved}, this run has "
+                             f"{self.cfg.optim.strategy}: resume with the same strategy, or start a new run from the "
+                             "merged weights (merge.py, then worker.actor.model.model_path)")
         state = get_model_state_dict(self.module)
         dcp.load(state, checkpoint_id=os.path.join(path, "model"))
         set_model_state_dict(self.module, state)
@@ -443,7 +449,6 @@ class Actor:
             optim_state = get_optimizer_state_dict(self.module, self.optimizer)
             dcp.load(optim_state, checkpoint_id=os.path.join(path, "optim"))
             set_optimizer_state_dict(self.module, self.optimizer, optim_state)
-        extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)  # tensors and plain containers
         self.optimizer_steps = extra["optimizer_steps"]
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

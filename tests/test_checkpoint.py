@@ -45,7 +45,7 @@ class FakeWorkers:
         schedule = actor.lr_schedule(optimizer, OptimConfig(lr_warmup_steps=20), training_steps=100)
         self.actor = types.SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=schedule, rank=0,
                                            sharded=False, optimizer_steps=0, lora_rank=0,
-                                           cfg=types.SimpleNamespace(model=None))
+                                           cfg=types.SimpleNamespace(model=None, optim=OptimConfig()))
 
     def update(self):
         """One optimizer step and one LR-schedule step (warm-up: the lr of step t is 1e-3 x t / 20)."""
@@ -204,6 +204,22 @@ def test_the_actor_refuses_a_checkpoint_without_optimizer_or_extra_state(tmp_pat
     break_checkpoint(tmp_path / "global_step_1", "extra_state.pt missing")
     with pytest.raises(FileNotFoundError, match="lacks extra_state.pt, optim"):
         FakeWorkers().load(str(tmp_path / "global_step_1" / "actor"))
+
+
+def test_the_actor_refuses_another_optimizers_state_and_loads_checkpoints_without_the_key(tmp_path):
+    """adamw_bf16's state has a Kahan compensation that plain AdamW's lacks: DCP's error for the missing key (a
+    BaseException, past `except Exception`) named neither setting. A checkpoint written before extra_state.pt held
+    the strategy loads as before."""
+    save_steps(tmp_path, [1])
+    workers = FakeWorkers()
+    workers.actor.cfg.optim.strategy = "adamw_bf16"
+    with pytest.raises(ValueError, match="optim.strategy=adamw, this run has adamw_bf16: resume with the same"):
+        workers.load(str(tmp_path / "global_step_1" / "actor"))
+    extra_path = tmp_path / "global_step_1" / "actor" / "extra_state.pt"
+    extra = torch.load(extra_path, weights_only=True)
+    assert extra.pop("optim_strategy") == "adamw"
+    torch.save(extra, extra_path)
+    FakeWorkers().load(str(tmp_path / "global_step_1" / "actor"))
 
 
 def test_checkpoints_are_checked_before_ray_starts(tmp_path, toy, monkeypatch):
