@@ -34,6 +34,7 @@ templates) are tried from the working directory, then from this file's folder.
 """
 
 import bisect
+import collections.abc
 import concurrent.futures
 import contextlib
 import copy
@@ -79,7 +80,7 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
     return processor, tokenizer
 
 
-class PromptLoader:
+class PromptLoader(collections.abc.Iterator):
     """Batches of prompt dicts from a source, forever, its rows loaded and checked at start-up (load_rows,
     check_rows). A batch's prompts are built when it is asked for or, with `prefetch`, in a daemon thread
     while the previous batch trains (with the loader's own copy of the processor: no tokenizer shared).
@@ -97,17 +98,11 @@ class PromptLoader:
         self.videos_per_prompt = self.rows.most_items(cfg.video_key)  # for the rollout engine's limits
         self.batch_size = len(self.indices) if batch_size == -1 else batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, cfg.seed, drop_last
+        self.batches_per_epoch = (math.floor if drop_last else math.ceil)(len(self.indices) / self.batch_size)
         self.current_epoch, self.batch = 0, 0  # the position of the next batch
         if self.batches_per_epoch == 0:
             raise DataError(f"{files}: {len(self.indices)} rows, fewer than one batch of {batch_size}")
         self.prefetch, self.pending, self.lock = prefetch, None, threading.Lock()  # pending: ((epoch, batch), future)
-
-    @property
-    def batches_per_epoch(self):
-        return (math.floor if self.drop_last else math.ceil)(len(self.indices) / self.batch_size)
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         position, (built, future), self.pending = (self.current_epoch, self.batch), self.pending or (None, None), None
@@ -191,7 +186,6 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
 
 
 def _measure_row(i):
-    """builder.measure(row i), or the DataError's message for a bad row; check_rows sets _MEASURING."""
     rows, builder = _MEASURING
     try:
         return builder.measure(rows[i], rows.where(i))
@@ -283,13 +277,12 @@ class PromptBuilder:
         """The length build() will give, checking the row on the way (every image decoded once: a truncated body
         fails here): the unexpanded text's tokens plus, per image, its tokens but the one placeholder, from the
         image processor's get_number_of_image_patches at process_image's size (no resize, no processor call)."""
-        cfg = self.cfg
         text, images, videos = self.prompt_text(row, where)
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): encoded whole
             return len(self.encode(row, where)[2]["input_ids"][0])
         n = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        for k, image in enumerate(self.decode(where, "image", images, _open_image, cfg.image_dir)):
-            width, height = _target_size(*image.size, cfg.min_pixels, cfg.max_pixels)
+        for k, image in enumerate(self.decode(where, "image", images, _open_image, self.cfg.image_dir)):
+            width, height = _target_size(*image.size, self.cfg.min_pixels, self.cfg.max_pixels)
             try:  # the processor's resize refuses some shapes (an aspect ratio over 200)
                 patches = self.image_processor.get_number_of_image_patches(height, width, {})
             except ValueError as e:
@@ -362,12 +355,9 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
         indices = sample_frame_indices(total, rate, fps)
         wanted, frames, decoded = set(indices), [], 0
         container.seek(0)
-        for frame in container.decode(stream):
-            if decoded in wanted:
+        for decoded, frame in enumerate(itertools.islice(container.decode(stream), indices[-1] + 1), 1):
+            if decoded - 1 in wanted:  # decoded: the frames decoded so far, this one included
                 frames.append(numpy.asarray(process_image(frame.to_image(), min_pixels, max_pixels)))
-            decoded += 1
-            if decoded > indices[-1]:
-                break
     if len(frames) < len(indices):
         raise ValueError(f"only {decoded} of the {total} frames its header announces decode: truncated or corrupt")
     metadata = {"fps": rate, "duration": total / rate, "total_num_frames": total, "frames_indices": indices,
@@ -382,8 +372,7 @@ def sample_frame_indices(total, rate, fps):
             (the temporal patch of 2 frames), at least 1;
         indices = round(linspace(0, total - 1, T)).
     The sampled rate the model sees is T / total * rate."""
-    low, high = min(4, total), min(768, total)
-    count = max(1, int(min(max(total / rate * fps, low), high)) // 2 * 2)
+    count = max(1, int(min(max(total / rate * fps, min(4, total)), min(768, total))) // 2 * 2)
     return torch.linspace(0, total - 1, count).round().long().tolist()
 
 
@@ -408,7 +397,6 @@ def _open_image(image, image_dir):
 
 
 def _source(item, image_dir, what="a video"):
-    """A file object or path from bytes, a path (relative: joined to image_dir) or {"bytes": ...}/{"path": ...}."""
     if isinstance(item, dict):
         item = item.get("bytes") or item.get("path")
     if isinstance(item, (bytes, bytearray)):
@@ -440,13 +428,11 @@ class Rows:
     def most_items(self, key):
         """The most items in column `key` of one row (0 where no file has it), read from Arrow, nothing decoded."""
         most = 0
-        for _, part in self.parts:
-            if key in part.column_names:
-                column = part.data.column(key)
-                if pyarrow.types.is_list(column.type) or pyarrow.types.is_large_list(column.type):
-                    most = max(most, pyarrow.compute.max(pyarrow.compute.list_value_length(column)).as_py() or 0)
-                else:  # one item per row
-                    most = max(most, int(column.null_count < len(column)))
+        for column in [part.data.column(key) for _, part in self.parts if key in part.column_names]:
+            if pyarrow.types.is_list(column.type) or pyarrow.types.is_large_list(column.type):
+                most = max(most, pyarrow.compute.max(pyarrow.compute.list_value_length(column)).as_py() or 0)
+            else:  # one item per row
+                most = max(most, int(column.null_count < len(column)))
         return most
 
 
@@ -488,8 +474,7 @@ def load_rows(spec, cfg):
         if not parts:
             raise DataError(f"'{spec}' has no rows: every file with '{split}' in its name under {local} is empty")
     for name, part in parts:
-        missing = [key for key in (cfg.prompt_key, cfg.answer_key) if key not in part.column_names]
-        if missing:
+        if missing := [key for key in (cfg.prompt_key, cfg.answer_key) if key not in part.column_names]:
             raise DataError(f"{name}: no column {missing} (columns: {part.column_names}); "
                             "set data.prompt_key / data.answer_key to the right names")
     rows = Rows(spec, parts)
@@ -504,13 +489,11 @@ def _read_file(path):
     extension = os.path.splitext(path)[1]
     if extension not in FILE_BUILDERS:
         raise DataError(f"{path}: not a {', '.join(FILE_BUILDERS)} file")
-    if os.path.getsize(path) == 0:
-        return None
-    if extension == ".parquet":
+    if extension == ".parquet" and os.path.getsize(path) > 0:
         with contextlib.suppress(Exception):  # not parquet at all: datasets' error below says so, naming the file
             if pyarrow.parquet.read_metadata(path).num_rows == 0:
                 return None
-    elif os.path.getsize(path) <= 4096:
+    elif os.path.getsize(path) <= 4096:  # an empty file of any kind, a blank or `[]` json file
         with open(path, "rb") as f:
             if f.read().strip() in (b"", b"[]"):
                 return None
@@ -522,10 +505,7 @@ def _read_file(path):
 
 def _local_path(path):
     """`path` if it exists, else the same relative to this file's folder, else None."""
-    for candidate in (path, os.path.join(HERE, path)):
-        if os.path.exists(candidate):
-            return os.path.abspath(candidate)
-    return None
+    return next((os.path.abspath(p) for p in (path, os.path.join(HERE, path)) if os.path.exists(p)), None)
 
 
 def _read_text(path, key):

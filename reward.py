@@ -17,6 +17,7 @@ A user's file sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwar
 """
 
 import contextlib
+import ctypes
 import copy
 import importlib.util
 import inspect
@@ -191,6 +192,8 @@ def _serve(fn, kwargs, pipe, trainer_end):
     """The reward process: call fn on each argument received, send back ("ok", result) or ("raised",
     "Type: message", traceback text), until the trainer closes the pipe or ends."""
     trainer_end.close()  # the copy forked here: while open, a trainer that dies would leave this process waiting
+    with contextlib.suppress(AttributeError, OSError):  # Linux: killed with the trainer, also during a hung call
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     while True:
         try:
             arg = pipe.recv()
@@ -208,6 +211,12 @@ def _serve(fn, kwargs, pipe, trainer_end):
 
 
 # -- Built-in scorers: one sample in, one dict out ----------------------------------------------------
+
+R1V_THINK_END = re.compile(r"</think>\s*<answer>")
+R1V_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+TOY_COLORS = ("red", "green", "blue", "yellow")  # the toy world's colours (toy.py COLORS)
+
 
 def math_reward(sample, format_weight=0.1, timeout=10.0):
     """Math with a boxed answer (EasyR1's math.py; Geometry3K).
@@ -227,10 +236,6 @@ def math_reward(sample, format_weight=0.1, timeout=10.0):
     return _weighted(accuracy, form, format_weight)
 
 
-R1V_THINK_END = re.compile(r"</think>\s*<answer>")
-R1V_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
 def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     """R1-V style <think>/<answer> (EasyR1's r1v.py).
 
@@ -247,9 +252,6 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     found = R1V_ANSWER.search(text)
     accuracy = 1.0 if is_equivalent(found.group(1) if found else text, sample["ground_truth"], timeout) else 0.0
     return _weighted(accuracy, form, format_weight)
-
-
-DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 
 def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong_penalty_factor):
@@ -275,9 +277,6 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
     overlong = min(max((soft_start - sample["response_length"]) / max(overlong_buffer_length, 1), -1.0), 0.0)
     return {"overall": accuracy + overlong_penalty_factor * overlong, "accuracy": accuracy,
             "overlong": overlong, "accuracy_normalized": (accuracy + 1.0) / 2.0}
-
-
-TOY_COLORS = ("red", "green", "blue", "yellow")  # the toy world's colours (toy.py COLORS)
 
 
 def toy_reward(sample, format_weight=0.1):
@@ -312,10 +311,9 @@ def tidy(text):
 
 def last_boxed(text):
     """Content of the last \\boxed{...}, nested braces counted; None if there is none or it never closes."""
-    start = text.rfind("\\boxed{")
+    start, depth = text.rfind("\\boxed{"), 0
     if start < 0:
         return None
-    depth = 0
     for i in range(start + len("\\boxed"), len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
@@ -325,13 +323,12 @@ def last_boxed(text):
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
     """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify (\\frac{1}{2},
-    0.5, 1/2 and \\dfrac12 agree; units and degree signs are ignored). timeout: seconds (rounded up) per math-verify
-    step, SIGALRM so main thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
+    0.5, 1/2 and \\dfrac12 agree; units in \\text or \\mathrm and degree signs are ignored, a bare `12 cm^2` or `5.`
+    is not "12" or "5", unlike mathruler). timeout: seconds (rounded up) per math-verify step, SIGALRM so main
+    thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
-    if not answer:
-        return False
-    if answer == ground_truth:
-        return True
+    if not answer or answer == ground_truth:  # an empty answer is never right
+        return bool(answer)
     seconds = max(1, math.ceil(timeout)) if timeout > 0 else None
     if seconds and threading.current_thread() is not threading.main_thread():
         raise RuntimeError("the math grader's timeout uses SIGALRM, which only works in the main thread: "
@@ -350,11 +347,10 @@ MINERVA_REPLACE = [
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
     (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
 ] + [(unit, "") for unit in [
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
-    ",\\!", "{,}", '"', "\\dots",
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}",
+    "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
 ]]
 MINERVA_REWRITE = [
     (r"(.*?)\$(.*?)\$(.*)", r"$\2$"),      # keep the first $...$ of a line if there is one

@@ -498,6 +498,40 @@ def test_the_reward_process_ends_with_the_trainer(tmp_path):
     assert ends_within(int(pid_file.read_text()), 5.0)
 
 
+HANGS = '''
+import os, time
+REWARD_TYPE = "sequential"
+
+def main(x, pid_file):
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(1000)
+'''
+
+
+def test_the_reward_process_ends_with_a_trainer_killed_during_a_hung_call(tmp_path):
+    """SIGKILL reaches the trainer while the reward function hangs (no pipe read to notice the trainer is gone):
+    the reward process is killed with it, not left running until the call returns."""
+    pid_file = tmp_path / "pid"
+    script = textwrap.dedent(f'''
+        import reward
+        fn = reward.load_reward_function({write(tmp_path, "hangs.py", HANGS)!r}, call_timeout=300,
+                                         pid_file={str(pid_file)!r})
+        fn([{{"response": "red", "ground_truth": "red", "response_length": 1}}])
+    ''')
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=os.path.dirname(reward.__file__),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reward_pid = int(pid_file.read_text())
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert ends_within(reward_pid, 5.0)
+
+
 CHANGES_ITS_INPUT = '''
 REWARD_TYPE = "{kind}"
 
