@@ -327,8 +327,8 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
     image_dir). Made RGB first as a viewer shows it: transparency over white (as transformers and vLLM do; PIL's
     convert("RGB") makes it black), 16-bit grey v -> v // 257 (PIL's clips at 255: white). Scaling by
-    s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so the bounds hold
-    exactly; sizes in range are kept."""
+    s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so each bound holds
+    (an upscale may pass max_pixels when the two are closer than a side's rounding); sizes in range are kept."""
     image = _open_image(image, image_dir)
     if image.mode.startswith("I;16"):
         image = Image.fromarray((numpy.asarray(image) // 257).astype(numpy.uint8))

@@ -5,15 +5,13 @@ which a first reading can skip) the only module that imports the stages; the con
     python trainer.py --config configs/geo3k.yaml worker.rollout.n=8  # Qwen2.5-VL-7B on Geometry3K, a key overridden
     python trainer.py --config configs/geo3k.yaml --print-config      # the resolved config, then exit
 
-Run.train_step is the README's loop, a short block per stage; self.workers runs each call on every worker.
-"""
+Run.train_step is the README's loop, a short block per stage; self.workers runs each call on every worker."""
 
 import argparse
 import contextlib
 import functools
 import importlib.util
 import json
-import math
 import os
 import re
 import shutil
@@ -143,27 +141,23 @@ class Run:
                           if a.online_filtering else "raise it or data.mini_rollout_batch_size")
                 raise RuntimeError(f"{len(prompts)} of {want} groups after {rounds - 1} generation rounds "
                                    f"(trainer.max_try_make_batch); {advice}")
-            batch = next(self.train_iter)
-            for i, p in enumerate(batch):
-                p["uid"] = f"{self.step}-{rounds}-{i}"
+            batch = [{**p, "uid": f"{self.step}-{rounds}-{i}"} for i, p in enumerate(next(self.train_iter))]
             outs = self.workers.generate(batch, self.sampling((self.step, rounds)))
             with timer(metrics, "reward"):
                 batch_scores = self.score(batch, outs)
             all_scores += batch_scores
-            keep = {p["uid"] for p in batch}
             if a.online_filtering and a.filter_key not in batch_scores[0]:
                 raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*batch_scores[0]]}")
             if a.online_filtering:  # flat groups go only where their advantages would all be 0
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
                                                 require_spread=a.adv_estimator in advantage.ZERO_WHEN_FLAT)
-            kept = [i for i, p in enumerate(batch) if p["uid"] in keep][:want - len(prompts)]
+            kept = [i for i, p in enumerate(batch) if not a.online_filtering or p["uid"] in keep][:want - len(prompts)]
             index = {i: len(prompts) + j for j, i in enumerate(kept)}  # prompt index: in this round -> kept
             prompts += [batch[i] for i in kept]
-            for r, s in zip(outs, batch_scores):
-                if r["prompt_index"] in index:
-                    responses.append({**r, "prompt_index": index[r["prompt_index"]]})
-                    scores.append(s)
+            taken = [(r, s) for r, s in zip(outs, batch_scores) if r["prompt_index"] in index]
+            responses += [{**r, "prompt_index": index[r["prompt_index"]]} for r, _ in taken]
+            scores += [s for _, s in taken]
         metrics["filter/rounds"] = rounds
         assert len(responses) == want * self.cfg.worker.rollout.n
         over = all_scores if a.online_filtering else scores  # as EasyR1: dropped groups count only when filtering
@@ -293,6 +287,7 @@ class Run:
 
 TRACKER = "checkpoint_tracker.json"
 LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
+STEP_FOLDER = re.compile(r"global_step_(\d+)")  # a checkpoint's folder in the checkpoint root
 
 
 def _sample(prompt, response):
@@ -359,9 +354,8 @@ class Logger:
             if LOGGERS[name] and importlib.util.find_spec(LOGGERS[name]) is None:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
-        self.names, self.root, self.purge_step = names, root, None
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
-        self.jsonl_path = self.jsonl.name
+        self.names, self.root, self.purge_step, self.jsonl_path = names, root, None, self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
         _write_atomic(os.path.join(root, "experiment_config.json"), json.dumps(config, indent=2))
         self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
@@ -420,8 +414,9 @@ class Logger:
         TensorBoard hides its earlier events of later steps (SummaryWriter's purge_step)."""
         self.purge_step = step + 1
         for f in (self.jsonl, self.generations):
-            lines = open(f.name, "rb").readlines()
-            kept = next((i for i, line in enumerate(lines) if _row_step(line) > step), len(lines))
+            lines = open(f.name, "rb").readlines()  # rows are {"step": N, ...}\n; no match: a row cut short
+            rows = [re.match(rb'\{"step": (-?\d+)[,}]', line) if line.endswith(b"\n") else None for line in lines]
+            kept = next((i for i, row in enumerate(rows) if not row or int(row.group(1)) > step), len(lines))
             if kept < len(lines):
                 os.truncate(f.name, sum(map(len, lines[:kept])))  # appends continue there (the file is O_APPEND)
                 print(f"{f.name}: dropped {len(lines) - kept} lines of later steps (they run again)", flush=True)
@@ -462,16 +457,8 @@ class Logger:
         return path
 
     def close(self):
-        self.jsonl.close()
-        self.generations.close()
-        for _, close in self.sinks:
+        for close in [self.jsonl.close, self.generations.close] + [close for _, close in self.sinks]:
             close()
-
-
-def _row_step(line):
-    """The step of one log line (bytes, written as {"step": N, ...}), or infinity for a line cut short."""
-    match = re.match(rb'\{"step": (-?\d+)[,}]', line)
-    return int(match.group(1)) if match and line.endswith(b"\n") else math.inf
 
 
 def _write_atomic(path, text):
@@ -490,11 +477,11 @@ class CheckpointError(RuntimeError):
 
 
 def _find_checkpoint(root, load_path, find_last):
-    """The global_step_N folder a run resumes from, or None for a fresh start (no tracker; or not `find_last`, then
-    _set_aside); no Ray. An explicit `load_path` must be complete. Else the one the tracker in `root` names or, if it
-    is incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so; none: an error."""
+    """The global_step_N folder a run resumes from, or None for a fresh start (no tracker; or not `find_last`: the
+    earlier run's files then go aside); no Ray. An explicit `load_path` must be complete; else the tracker's or, if
+    incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so; none: an error."""
     if load_path is not None:
-        if not re.search(r"global_step_(\d+)/?$", load_path) or not os.path.isdir(load_path):
+        if not STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path))) or not os.path.isdir(load_path):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
         if problem := _checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
@@ -502,8 +489,16 @@ def _find_checkpoint(root, load_path, find_last):
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
         return None
-    if not find_last:  # a fresh start over an earlier run: its files kept, out of the way
-        return _set_aside(root)
+    if not find_last:  # a fresh start: the earlier run's logs, tracker and checkpoints go to root/earlier_<time>/, so
+        # that the new run neither cuts those logs nor overwrites or rotates away those checkpoints
+        aside = os.path.join(root, time.strftime("earlier_%Y%m%d_%H%M%S"))
+        names = [n for n in os.listdir(root) if n in (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png",
+                                                       "tensorboard") or STEP_FOLDER.fullmatch(n)]
+        os.makedirs(aside)
+        for name in names:
+            os.rename(os.path.join(root, name), os.path.join(aside, name))
+        print(f"trainer.find_last_checkpoint=false: the earlier run's files in {root} moved to {aside}", flush=True)
+        return None
     steps, problems = _saved_steps(root)[::-1], []
     last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
     if problem:
@@ -524,18 +519,6 @@ def _find_checkpoint(root, load_path, find_last):
                           f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
                           f"afresh with trainer.find_last_checkpoint=false (they are moved aside) or another "
                           f"trainer.save_checkpoint_path")
-
-
-def _set_aside(root):
-    """Move an earlier run's logs, tracker and checkpoints in `root` into root/earlier_<time>/, so that a fresh start
-    (trainer.find_last_checkpoint=false) neither cuts its logs nor overwrites or rotates away its checkpoints."""
-    names = [n for n in os.listdir(root) if n in (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png",
-                                                   "tensorboard") or re.fullmatch(r"global_step_\d+", n)]
-    aside = os.path.join(root, time.strftime("earlier_%Y%m%d_%H%M%S"))
-    os.makedirs(aside)
-    for name in names:
-        os.rename(os.path.join(root, name), os.path.join(aside, name))
-    print(f"trainer.find_last_checkpoint=false: the earlier run's files in {root} moved to {aside}", flush=True)
 
 
 def _checkpoint_problem(path):
@@ -573,7 +556,7 @@ def _load(folder, name, load):
 
 
 def _saved_steps(root):
-    return sorted(int(m.group(1)) for n in os.listdir(root) if (m := re.fullmatch(r"global_step_(\d+)", n)))
+    return sorted(int(m.group(1)) for n in os.listdir(root) if (m := STEP_FOLDER.fullmatch(n)))
 
 
 def _remove_old_checkpoints(root, step, best_step, limit):

@@ -1,7 +1,6 @@
 """workers.py: the Ray plumbing under trainer.py, which a first reading can skip. One Ray actor per GPU (per process
 on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the rollout engine, colocated. The driver's
-WorkerGroup splits lists of plain dicts over the workers, calls every worker and joins the results.
-"""
+WorkerGroup splits lists of plain dicts over the workers, calls every worker and joins the results."""
 
 import copy
 import dataclasses
