@@ -180,12 +180,14 @@ class AdaptiveKLController:
 
 # -- Online filtering and metrics --------------------------------------------------------------------
 
-def groups_to_keep(values, uids, low, high, require_spread=True):
-    """The set of uids whose groups are worth training on: low < mean_g(values) < high and, with
-    require_spread, max_g - min_g > FLAT (values: one per response, e.g. the filter_key score).
-    require_spread=False tests only the mean, as EasyR1."""
+def groups_to_keep(values, uids, low, high, spread=None):
+    """The set of uids whose groups are worth training on: low < mean_g(values) < high (values: one per response,
+    e.g. the filter_key score) and, given `spread` (the scores the advantages use), max_g - min_g of spread > FLAT:
+    a ZERO_WHEN_FLAT estimator gives a flat group all-zero advantages. spread=None tests only the mean, as EasyR1."""
     s = group_stats(values, uids, allow_singletons=True)
-    keep = (s.mean > low) & (s.mean < high) & ~(s.flat & require_spread)  # [G]
+    keep = (s.mean > low) & (s.mean < high)  # [G]
+    if spread is not None:  # the same groups in the same order: both sorted by uid
+        keep &= ~group_stats(spread, uids, allow_singletons=True).flat
     return {s.names[i] for i in torch.nonzero(keep).flatten().tolist()}
 
 
@@ -208,8 +210,7 @@ def as_scores(scores, uids, what="score"):
     x = torch.as_tensor(scores, dtype=torch.float64, device="cpu").detach()
     if x.dim() != 1 or len(x) != len(uids):
         raise ValueError(f"{what}s have shape {tuple(x.shape)} but there are {len(uids)} uids; both must be [N]")
-    bad = torch.nonzero(~torch.isfinite(x)).flatten().tolist()
-    if bad:
+    if bad := torch.nonzero(~torch.isfinite(x)).flatten().tolist():
         raise ValueError(f"{what} {x[bad[0]].item()} at position {bad[0]} (uid {uids[bad[0]]!r}) is not finite; "
                          f"{len(bad)} of {len(x)} {what}s are NaN or inf")
     return x
@@ -223,8 +224,7 @@ def group_stats(scores, uids, allow_singletons=False, what="score"):
     names, g = np.unique(np.asarray(uids), return_inverse=True)
     g, names = torch.from_numpy(g.reshape(-1)).long(), names.tolist()
     n = group_reduce(torch.ones_like(x), g, len(names))
-    if not allow_singletons and (n == 1).any():
-        lonely = [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]
+    if not allow_singletons and (lonely := [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]):
         raise ValueError(f"{len(lonely)} group(s) have a single response (uid {lonely[0]!r}"
                          f"{', ...' if len(lonely) > 1 else ''}): a group baseline needs n >= 2 responses "
                          f"per prompt (worker.rollout.n), or pass allow_singletons=True to give them advantage 0")

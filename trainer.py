@@ -149,9 +149,10 @@ class Run:
             if a.online_filtering and a.filter_key not in batch_scores[0]:
                 raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*batch_scores[0]]}")
             if a.online_filtering:  # flat groups go only where their advantages would all be 0
+                flat_is_zero = a.adv_estimator in advantage.ZERO_WHEN_FLAT  # spread: of what the advantages use
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
-                                                require_spread=a.adv_estimator in advantage.ZERO_WHEN_FLAT)
+                                                spread=[s["overall"] for s in batch_scores] if flat_is_zero else None)
             kept = [i for i, p in enumerate(batch) if not a.online_filtering or p["uid"] in keep][:want - len(prompts)]
             index = {i: len(prompts) + j for j, i in enumerate(kept)}  # prompt index: in this round -> kept
             prompts += [batch[i] for i in kept]

@@ -298,10 +298,20 @@ def test_groups_to_keep():
     # edge: mean exactly at the lower bound (bounds are exclusive)
     uids = ["fw", "fw", "fw", "m", "m", "m", "m2", "m2", "w", "w", "mid", "mid", "mid", "edge", "edge"]
     values = [0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.01, 0.01]
-    assert advantage.groups_to_keep(values, uids, 0.01, 0.99) == {"m", "m2"}
-    assert advantage.groups_to_keep(values, uids, 0.01, 0.99, require_spread=False) == {"fw", "m", "m2", "mid"}
-    assert advantage.groups_to_keep(values, uids, 0.6, 0.7) == {"m"}       # mean 2/3
-    assert advantage.groups_to_keep([1.0, 0.0], ["solo", "solo2"], 0.0, 1.0, require_spread=False) == set()
+    assert advantage.groups_to_keep(values, uids, 0.01, 0.99, spread=values) == {"m", "m2"}
+    assert advantage.groups_to_keep(values, uids, 0.01, 0.99) == {"fw", "m", "m2", "mid"}
+    assert advantage.groups_to_keep(values, uids, 0.6, 0.7, spread=values) == {"m"}       # mean 2/3
+    assert advantage.groups_to_keep([1.0, 0.0], ["solo", "solo2"], 0.0, 1.0) == set()
+
+
+def test_groups_to_keep_tests_the_spread_of_the_scores_the_advantages_use():
+    """filter_key (here accuracy) sets the mean test, the overall score the spread test: a group whose accuracy
+    is flat at 0.5 but whose overall scores differ has non-zero GRPO advantages and is kept; one whose accuracy
+    differs but whose overall scores are flat trains on nothing and goes."""
+    uids = ["a", "a", "b", "b"]
+    accuracy, overall = [0.5, 0.5, 0.0, 1.0], [0.4, 0.6, 0.5, 0.5]
+    assert advantage.groups_to_keep(accuracy, uids, 0.01, 0.99, spread=overall) == {"a"}
+    assert [float(x) for x in compute_advantages("grpo", overall, uids)[2:]] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("name", sorted(advantage.ESTIMATORS))
@@ -315,7 +325,8 @@ def test_online_filtering_drops_flat_groups_only_where_their_advantage_is_zero(n
     adv = compute_advantages(name, values, uids, **opts)
     flat_is_zero = all(float(torch.as_tensor(a).abs().max()) == 0.0 for a in adv[:2])
     assert flat_is_zero == (name in advantage.ZERO_WHEN_FLAT)
-    kept = advantage.groups_to_keep(values, uids, 0.01, 0.99, require_spread=name in advantage.ZERO_WHEN_FLAT)
+    spread = values if name in advantage.ZERO_WHEN_FLAT else None
+    kept = advantage.groups_to_keep(values, uids, 0.01, 0.99, spread=spread)
     # means: flat 0.5, m 0.5, w 0 (out), hi 0.95
     assert kept == ({"m", "hi"} if name in advantage.ZERO_WHEN_FLAT else {"flat", "m", "hi"})
 

@@ -401,15 +401,17 @@ def test_reinforce_plus_plus_gets_token_kl_and_token_returns():
 
 # --- online filtering in make_batch --------------------------------------------------------------
 
-@pytest.mark.parametrize("estimator, kept", [
-    ("grpo", ["x", "z"]),  # y has no spread: its GRPO advantages would all be 0, so it is dropped
-    ("reinforce_plus_plus", ["x", "y"]),  # y still trains REINFORCE++ (batch whitening), so it is kept
-    ("remax", ["x", "y"]),
+@pytest.mark.parametrize("estimator, y_overall, kept", [
+    ("grpo", (0.5, 0.5), ["x", "z"]),  # y has no spread: its GRPO advantages would all be 0, so it is dropped
+    ("reinforce_plus_plus", (0.5, 0.5), ["x", "y"]),  # y still trains REINFORCE++ (batch whitening): kept
+    ("remax", (0.5, 0.5), ["x", "y"]),
+    ("grpo", (0.4, 0.6), ["x", "y"]),  # y's accuracy is flat, its overall scores (GRPO's input) are not: kept
 ])
-def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_zero(estimator, kept):
+def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_zero(estimator, y_overall, kept):
     """Two prompts a round, n = 2, filter on accuracy in (0.1, 0.9) exclusive of the ends: round 1 has x
     (scores 0, 1: mean 0.5, spread) and y (0.5, 0.5: mean 0.5, no spread); round 2 z (1, 0) and w (1, 1:
-    mean 1, outside). GRPO drops y and needs round 2; REINFORCE++ and ReMax keep x and y in round 1."""
+    mean 1, outside). GRPO drops y and needs round 2; REINFORCE++ and ReMax keep x and y in round 1. The
+    spread test reads the overall score, what the advantages use, not filter_key's."""
     run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=2", "worker.actor.global_batch_size=2",
                    "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true", "algorithm.filter_key=accuracy",
                    "algorithm.filter_low=0.1", "algorithm.filter_high=0.9", f"algorithm.adv_estimator={estimator}")
@@ -427,7 +429,8 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
     run.workers = Workers()
     run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
     run.score = lambda prompts, responses: [
-        {"overall": table[r["name"]][r.get("j", 0)], "accuracy": table[r["name"]][r.get("j", 0)]} for r in responses]
+        {"overall": ({**table, "y": y_overall})[r["name"]][r["j"]], "accuracy": table[r["name"]][r["j"]]}
+        for r in responses]
     prompts, responses, scores, _ = run.make_batch({})
     assert [p["name"] for p in prompts] == kept
     assert [r["prompt_index"] for r in responses] == [0, 0, 1, 1]
