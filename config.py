@@ -291,7 +291,8 @@ def check_config(cfg):
         raise ConfigError(f"data.mini_rollout_batch_size={d.mini_rollout_batch_size} must be at most "
                           f"data.rollout_batch_size={d.rollout_batch_size} without algorithm.online_filtering")
     for where, s in (("", vars(r)), ("val_override_config.", {**vars(r), **r.val_override_config})):  # at start-up
-        if s["n"] < 1 or s["temperature"] < 0 or not 0 < s["top_p"] <= 1 or s["top_k"] < -1:
+        if any(type(s[k]) not in (int, float) for k in ("n", "temperature", "top_p", "top_k")) or s["n"] < 1 \
+                or s["temperature"] < 0 or not 0 < s["top_p"] <= 1 or s["top_k"] < -1:  # a dict's values: untyped
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off): out of range")
     if alg.gamma != 1.0:

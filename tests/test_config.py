@@ -258,6 +258,8 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     (["worker.rollout.val_override_config={top_p: 0}"], "worker.rollout.val_override_config.n=5 (>= 1), "
                                                          "temperature=1.0 (>= 0), top_p=0 (in (0, 1])"),
     (["worker.rollout.val_override_config={n: 0}"], "worker.rollout.val_override_config.n=0 (>= 1)"),
+    # a dict's values are not typed by OmegaConf: a string here was a bare TypeError from the comparison
+    (["worker.rollout.val_override_config={top_p: abc}"], "top_p=abc (in (0, 1]), top_k=-1 (-1 or 0: off): out of"),
 ])
 def test_impossible_combinations_are_config_errors_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
