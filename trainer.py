@@ -616,13 +616,16 @@ def check_choices(cfg):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="GRPO and relatives for vision-language models. Overrides: "
                                      "a.b.c=value.", epilog="Every key is documented in configs/geo3k.yaml.")
-    parser.add_argument("--config", default=os.path.join(HERE, "configs", "toy.yaml"),
-                        help="YAML config (default: configs/toy.yaml)")
+    parser.add_argument("--config", help="YAML config (default: configs/toy.yaml; EasyR1's form config=path too)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value")
     args = parser.parse_args(argv)
+    files = [args.config] * (args.config is not None) + [o[7:] for o in args.overrides if o.startswith("config=")]
+    if len(files) > 1:  # EasyR1's scripts: `python3 -m verl.trainer.main config=examples/config.yaml a.b=c ...`
+        parser.exit(2, f"config error: one config file, got {files} (--config path, or config=path)\n")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(files[0] if files else os.path.join(HERE, "configs", "toy.yaml"),
+                          [o for o in args.overrides if not o.startswith("config=")])
         check_choices(cfg)
     except ConfigError as e:
         parser.exit(2, f"config error: {e}\n")

@@ -226,6 +226,18 @@ def test_bare_config_name_resolves_under_configs(capsys):
     assert "geo3k.yaml" in err and "toy.yaml" in err  # it lists what there is
 
 
+def test_easyr1_command_line_form_config_equals_path(capsys):
+    """EasyR1's scripts name the file as an override, `config=examples/config.yaml`, anywhere on the line: the
+    same as --config; two files are an error."""
+    assert trainer.main(["worker.rollout.n=3", "config=geo3k.yaml", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["trainer"]["experiment_name"], printed["worker"]["rollout"]["n"]) == ("qwen2_5_vl_7b_geo3k_grpo", 3)
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.main(["--config", "toy.yaml", "config=geo3k.yaml"])
+    assert exit_info.value.code == 2
+    assert "one config file, got ['toy.yaml', 'geo3k.yaml']" in capsys.readouterr().err
+
+
 def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_extra():
     """flash-attn has no binary wheel on PyPI: listed, it turns `pip install -r requirements-gpu.txt` into an
     hours-long source build. It is an optional extra the README explains."""
