@@ -347,3 +347,50 @@ def test_advantage_metrics_by_hand():
         "critic/advantages/mean": 0.0, "critic/advantages/max": a, "critic/advantages/min": -a,
         "adv/zero_std_group_frac": 2 / 3,
     }, abs=1e-6)
+
+
+def test_whitening_adds_eps_to_the_variance_not_the_std():
+    """sqrt(var + 1e-8), not sqrt(var) + 1e-8: they differ once var is near eps. Returns [1e-5] and [0]:
+    mean 5e-6, unbiased var 2 * (5e-6)^2 / 1 = 5e-11, so A = +-5e-6 / sqrt(5e-11 + 1e-8) = +-0.04988
+    (sqrt(5e-11) + 1e-8 would give +-0.7061)."""
+    got = compute_advantages("reinforce_plus_plus", [1e-5, 0.0], ["a", "b"], lengths=[1, 1])
+    a = 5e-6 / math.sqrt(5e-11 + 1e-8)
+    assert a == pytest.approx(0.04988, abs=1e-5)
+    assert torch.allclose(torch.cat(got), torch.tensor([a, -a]), atol=1e-6, rtol=0)
+    # the group baseline variant whitens c = [-5e-6, 5e-6, 0, 0] (group b flat): var 5e-11 / 3
+    got = advantage.reinforce_plus_plus_baseline([0.0, 1e-5, 0.3, 0.3], ["a", "a", "b", "b"])
+    b = 5e-6 / math.sqrt(5e-11 / 3 + 1e-8)
+    assert torch.allclose(got, torch.tensor([-b, b, 0.0, 0.0]), atol=1e-6, rtol=0)
+
+
+def test_spread_of_exactly_1e_minus_6_is_flat():
+    """The rule is max - min <= FLAT (inclusive): [0, 1e-6] is flat; a strict < would give it +-0.29."""
+    got = advantage.grpo([0.0, 1e-6, 0.0, 1.0], ["f", "f", "r", "r"])
+    assert torch.equal(got[:2], torch.zeros(2))
+    assert advantage.groups_to_keep([0.0, 1e-6, 0.0, 1.0], ["f", "f", "r", "r"], -1.0, 2.0,
+                                    spread=[0.0, 1e-6, 0.0, 1.0]) == {"r"}
+
+
+def test_advantage_metrics_weigh_responses_for_scores_and_groups_for_the_flat_fraction():
+    """Unequal groups: f = 4 responses flat at 0.5, m = [1.0, 0.4]. Score mean over the 6 responses:
+    (4 * 0.5 + 1.4) / 6 = 0.5667 (the mean of group means would be 0.6); flat fraction over the 2 groups:
+    1/2 (over responses it would be 4/6)."""
+    uids = ["f", "m", "f", "f", "m", "f"]
+    scores = [0.5, 1.0, 0.5, 0.5, 0.4, 0.5]
+    got = advantage.advantage_metrics(scores, [0.0, 0.7, 0.0, 0.0, -0.7, 0.0], uids)
+    assert got == pytest.approx({
+        "critic/score/mean": 3.4 / 6, "critic/score/max": 1.0, "critic/score/min": 0.4,
+        "critic/advantages/mean": 0.0, "critic/advantages/max": 0.7, "critic/advantages/min": -0.7,
+        "adv/zero_std_group_frac": 0.5,
+    }, abs=1e-9)
+
+
+def test_token_level_advantages_do_not_carry_the_kl_graph():
+    """token_kl straight from a forward pass (requires grad) must not make the advantages differentiable:
+    the policy gradient would then flow into the KL through A. Values as by hand: beta 0.5, kl [0.2, 0.4]
+    and [0.6]: rewards [-0.1, 0.8], [-0.3]; returns [0.7, 0.8, -0.3], mean 0.4, unbiased var 0.37."""
+    kl = [torch.tensor([0.2, 0.4], requires_grad=True), torch.tensor([0.6], requires_grad=True)]
+    got = compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], token_kl=kl, kl_coef=0.5)
+    assert not any(g.requires_grad for g in got)
+    std = math.sqrt(0.37 + 1e-8)
+    assert torch.allclose(torch.cat(got), torch.tensor([0.3 / std, 0.4 / std, -0.7 / std]), atol=1e-6, rtol=0)

@@ -462,3 +462,17 @@ def test_kl_gradient_directions_on_a_categorical():
     torch.testing.assert_close(grad_of(expected("mse")), reverse, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(grad_of(expected("low_var_kl")), forward, atol=1e-7, rtol=1e-5)
     assert (reverse - forward).abs().max() > 1e-3
+
+
+def test_clip_and_tis_fractions_count_strictly_beyond_the_bound():
+    """A ratio exactly at a bound is not clipped: r = 2 with eps_high = 1 (upper bound 2) for A > 0, r = 3 with
+    dual c = 3 for A < 0; a TIS weight exactly at the cap (old == rollout, cap 1) is not capped. The ratios are
+    exact in fp32 (exp(fp32(log 2)) == 2). The losses are the bound's either way: -1 * 2 and 1 * 3."""
+    loss, _, m = run("default", [math.log(2.0), math.log(3.0)], [0.0, 0.0], [1.0, -1.0], [0, 1, 2],
+                     clip_ratio_high=1.0)
+    close(loss, [-2.0, 3.0])
+    assert m["pg_clipfrac_higher"] == [0.0, 0.0] and m["pg_clipfrac_lower"] == [0.0, 0.0]
+    _, _, m = run("default", [-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0], [0, 1, 2], rollout_logp=[-1.0, -1.5],
+                  tis_cap=1.0)
+    assert m["tis_capfrac"] == [0.0, 1.0]  # exp(0) = 1 is at the cap; exp(0.5) = 1.65 is above it
+    close(m["tis_weight"], [1.0, 1.0])
