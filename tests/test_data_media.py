@@ -1,16 +1,17 @@
 """data.py's images and videos alone: sizes by hand, every accepted form, colours as a viewer shows them, files
-closed, frames sampled and decoded (the prompts that carry them: test_data.py)."""
+closed, frames sampled and decoded, the loader's documented order (the prompts that carry them: test_data.py)."""
 
 import io
 import os
 import random
 
+import pandas as pd
 import pytest
 import torch
 from PIL import Image
 
 import data
-from test_data import COLOR_LIST, clip, png, vl  # noqa: F401 (vl: a fixture)
+from test_data import COLOR_LIST, clip, config, loader, png, vl  # noqa: F401 (vl: a fixture)
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -122,3 +123,47 @@ def test_process_video_decodes_samples_and_resizes(tmp_path):
     assert (data.process_video("c.mp4", 3136, 12544, 2.0, image_dir=str(tmp_path))[0] == frames).all()
     small, _ = data.process_video(clip(4, size=(20, 20), fps=2), 3136, 12544, 2.0)  # up to 3136 px: 56 x 56
     assert small.shape == (4, 56, 56, 3)
+
+
+def test_16_bit_grey_is_divided_by_257_rounding_down():
+    # v // 257 by hand: 256 -> 0 (not 1, as v // 256 or v >> 8 give), 65280 = 257 * 254 + 2 -> 254 (not 255).
+    grey = Image.fromarray(torch.tensor([[256, 65280]] * 4, dtype=torch.uint16).numpy())
+    out = data.process_image(encoded(grey), 1, 100000)
+    assert [out.getpixel((x, 0)) for x in range(2)] == [(0,) * 3, (254,) * 3]
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+def test_loader_order_is_the_documented_permutation_and_resumes_at_the_saved_batch(tmp_path, toy):
+    """Epoch e visits rows in torch.randperm(n, seed * 1_000_003 + e) (seed 1), in floor(10 / 3) = 3 batches of 3
+    with drop_last (ceil: 4 without); a state saved at (epoch 1, batch 2) resumes with exactly that batch, and a
+    state of another seed, shuffle or row count is refused."""
+    pd.DataFrame([{"problem": f"What is {i}?", "answer": str(i)} for i in range(10)]).to_parquet(tmp_path / "t.parquet")
+    make = lambda **kw: loader(toy["text_model"], str(tmp_path / "t.parquet"), batch_size=3, **kw)
+    perm = [torch.randperm(10, generator=torch.Generator().manual_seed(1_000_003 + e)).tolist() for e in range(3)]
+    expected = [perm[e][3 * b:3 * b + 3] for e in range(3) for b in range(3)]
+    straight = make()
+    got = [next(straight) for _ in range(7)]
+    assert [[p["index"] for p in batch] for batch in got] == expected[:7]
+    assert [p["uid"] for p in got[3]] == [f"1-{i}" for i in perm[1][0:3]]
+    resumed = make()
+    resumed.load_state_dict({**straight.state_dict(), "epoch": 1, "batch": 2})
+    assert [[p["index"] for p in next(resumed)] for _ in range(2)] == expected[5:7] and resumed.current_epoch == 2
+    for key, value in (("seed", 2), ("shuffle", False), ("num_rows", 11)):  # another order: refused
+        with pytest.raises(ValueError, match=f"saved with {key}={value}, now it is"):
+            resumed.load_state_dict({**straight.state_dict(), key: value})
+    kept_tail = make(drop_last=False)
+    assert kept_tail.batches_per_epoch == 4
+    assert [[p["index"] for p in batch] for batch in kept_tail.epoch()][3] == [perm[0][9]]
+
+
+def test_format_template_is_stripped_and_no_empty_text_part_reaches_the_chat_template(tmp_path, toy):
+    """The format template file is read stripped (blank lines and indent around it gone), and `<image>` at the
+    start of the prompt gives [image, text], not an empty text part first (a template may render every part)."""
+    (tmp_path / "f.jinja").write_text("\n\n  {{ content }} Think.\n\n\n")
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{% for c in m['content'] %}[{{ c['type'] }}:"
+                                         "{{ c['text'] if c['type'] == 'text' else '' }}]{% endfor %}{% endfor %}")
+    cfg = config(format_prompt=str(tmp_path / "f.jinja"), override_chat_template=str(tmp_path / "chat.jinja"))
+    builder = data.PromptBuilder(cfg, data.load_processor(toy["vl_model"], cfg)[0], toy["vl_model"])
+    row = {"problem": "<image>What?", "answer": "x", "images": [png(56, 56)]}
+    assert builder.prompt_text(row, "r0")[0] == "[image:][text:What? Think.]"

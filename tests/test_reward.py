@@ -557,3 +557,72 @@ def test_a_function_that_changes_its_input_changes_no_other_sample(tmp_path, kin
     assert fn(inputs) == [{"overall": 1.0}, {"overall": 1.0}]
     assert extra == {"difficulty": 2} and [x["response"] for x in inputs] == ["a", "b"]
     fn.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Boundaries and rules the tables above leave open (each case fails on a plausible wrong version).
+
+@pytest.mark.parametrize("raw,normalized", [
+    ("\\overline{AB}", "AB"), ("\\textbf{C}", "C"), ("\\mbox{B}", "B"),       # wrappers dropped (mbox -> text first)
+    ("x\\text{and}y", "x,y"), ("x,\\text{and}y", "x,y"), ("a dog", "dog"),    # "and" as a comma; the article "a "
+    ("\t7\n", "7"),                                                             # white space other than " " stripped
+    ("$5.$", "5"),                                                              # ".$" -> "$" before the $ go
+])
+def test_minerva_normalize_wrappers_articles_and_white_space(raw, normalized):
+    assert reward.minerva_normalize(raw) == normalized
+
+
+@pytest.mark.parametrize("spaces,acc", [(291, 1), (292, -1)])
+def test_dapo_answer_window_is_exactly_the_last_300_characters(spaces, acc):
+    # "Answer: 4" is 9 characters: with 291 spaces after it, it ends the last 300 (9 + 291); with 292 its "A" is
+    # character 301 from the end and only "nswer: 4" is in the window.
+    got = reward.dapo_reward(sample("x" * 500 + "Answer: 4" + " " * spaces, "4", response_length=10), **DAPO_KW)
+    assert got["accuracy"] == acc
+
+
+def test_dapo_buffer_as_long_as_the_limit_is_allowed():
+    # L_buf = L_max = 100: the penalty starts at L = 0; L = 50 -> (100 - 100 - 50) / 100 = -0.5; L = 100 -> -1.
+    kw = {**DAPO_KW, "overlong_buffer_length": 100}
+    assert [reward.dapo_reward(sample("Answer: 4", "4", response_length=n), **kw)["overlong"]
+            for n in (0, 50, 100)] == [0.0, -0.5, -1.0]
+
+
+def test_r1v_answer_spans_lines_even_when_the_whole_response_would_not_grade():
+    # <answer>\nB\n</answer>: the content "\nB\n" strips to "B" (exact match); the whole response is no "B".
+    got = reward.r1v_reward(sample("<think>a</think><answer>\nB\n</answer>", "B"))
+    assert got == {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+
+
+def test_a_blank_answer_is_never_right_even_against_a_blank_ground_truth():
+    assert reward.is_equivalent(" \n", " \n") is False and reward.is_equivalent("\t", "") is False
+
+
+def test_toy_ground_truth_is_lowercased_too_and_brackets_and_quotes_are_stripped():
+    assert reward.toy_reward(sample("RED", " Red ")) == {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+    for response in ("(blue)", "[blue]", "{blue}", '"blue"', "'blue'"):
+        assert reward.toy_reward(sample(response, "blue"))["overall"] == 1.0, response
+
+
+def test_keys_renamed_but_as_many_are_still_a_change_of_keys(tmp_path):
+    text = "def main(xs):\n    return [{'overall': 1.0, 'acc' if i == 0 else 'fmt': 1.0} for i, x in enumerate(xs)]\n"
+    fn = load_reward_function(write(tmp_path, "renamed.py", text))
+    with pytest.raises(RewardError, match="returned keys \\['fmt', 'overall'\\], but sample 0 returned "
+                                          "\\['acc', 'overall'\\].* on sample 1"):
+        fn([sample("a", "1"), sample("b", "2")])
+
+
+def test_bytes_are_not_a_number(tmp_path):
+    text = "def main(xs):\n    return [{'overall': b'1.0'} for x in xs]\n"
+    fn = load_reward_function(write(tmp_path, "bytes.py", text))
+    with pytest.raises(RewardError, match="returned 'overall' = b'1.0', which is not a number on sample 0"):
+        fn([sample("a", "1")])
+
+
+def test_grader_timeout_is_rounded_up_to_whole_seconds(monkeypatch):
+    # timeout=1.5 -> ceil -> 2 s for each step (SIGALRM counts whole seconds); 0.2 -> at least 1.
+    seen = []
+    monkeypatch.setattr(reward, "parse", lambda text, parsing_timeout: seen.append(parsing_timeout) or [text])
+    monkeypatch.setattr(reward, "verify", lambda gold, guess, timeout_seconds: seen.append(timeout_seconds) or False)
+    reward.is_equivalent("1", "2", timeout=1.5)
+    reward.is_equivalent("1", "2", timeout=0.2)
+    assert seen == [2, 2, 2, 1, 1, 1]
