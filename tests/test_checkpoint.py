@@ -487,3 +487,41 @@ def test_the_command_line_says_a_checkpoint_error_in_one_line(tmp_path, capsys):
                          f"trainer.load_checkpoint_path={tmp_path / 'global_step_7'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("checkpoint error: trainer.load_checkpoint_path=")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotation edge cases, the best checkpoint on a tie, rewind of generations.log
+# ----------------------------------------------------------------------------------------------
+
+def test_save_limit_zero_keeps_every_checkpoint(tmp_path):
+    for step in (1, 2, 3):
+        os.makedirs(tmp_path / f"global_step_{step}")
+    trainer._remove_old_checkpoints(str(tmp_path), 3, 1, 0)  # <= 0: keep all (as -1), not "keep only step and best"
+    assert folders(tmp_path) == [1, 2, 3]
+
+
+def test_the_best_checkpoint_is_the_first_to_reach_the_top_score(tmp_path):
+    """Steps 1-5 scored -, 0.5, 0.5, -, 0.4 (-: no validation): no best before the first validation; then step 2,
+    which the tie at step 3 does not displace, nor a step without validation."""
+    run = fake_run(tmp_path, make_cfg(save_limit=2))
+    for step, score, best in zip(range(1, 6), (None, 0.5, 0.5, None, 0.4), (None, 2, 2, 2, 2)):
+        run.step = step
+        run.save_checkpoint({} if score is None else {"val/reward_score": score})
+        assert run.best == {"best_global_step": best, "best_val_reward_score": best and 0.5}, step
+    run.logger.close()
+    assert folders(tmp_path) == [2, 5]  # save_limit 2: the best and the newest
+
+
+def test_rewind_cuts_generations_log_back_too(tmp_path, capsys):
+    """generations.log rows of steps 1, 2, 3 and one cut short: rewind(2) keeps those of steps 1 and 2 (they are in
+    the checkpoint; step 3 runs again and logs its generations again)."""
+    cfg = load_config(None, ["trainer.logger=[file]"])
+    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    for step in (1, 2, 3):
+        logger.log_generations([{"prompt": "p", "response": f"r{step}", "ground_truth": "g", "score": 1.0}], step)
+    logger.generations.write('{"step": 4, "pro')  # killed while writing
+    logger.generations.flush()
+    logger.rewind(2)
+    logger.close()
+    assert [json.loads(line)["response"] for line in open(tmp_path / "generations.log")] == ["r1", "r2"]
+    assert "generations.log: dropped 2 lines of later steps" in capsys.readouterr().out

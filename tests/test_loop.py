@@ -635,3 +635,55 @@ def test_a_filter_key_the_reward_does_not_return_names_the_key_and_the_scores():
     with pytest.raises(ConfigError, match=re.escape("algorithm.filter_key='accuracy_normalized': the reward returns "
                                                     "['overall', 'accuracy']")):
         run.make_batch({})
+
+
+def test_batch_metrics_by_hand():
+    """Prompts of 4 and 2 tokens (limit 4); responses 3 (no EOS), 1 of prompt 0 and 2 of prompt 1: 6 response and
+    4+3 + 4+1 + 2+2 = 16 batch tokens on 2 GPUs. |rollout - old| per token: 0.5, 0, 0.5 | 0.75 | 0, 0."""
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "data.max_prompt_length=4"])
+    prompts = [{"prompt_ids": [7] * 4}, {"prompt_ids": [7] * 2}]
+    responses = [{"prompt_index": i, "response_ids": [5] * k, "finish_reason": f}
+                 for i, k, f in ((0, 3, "length"), (0, 1, "stop"), (1, 2, "stop"))]
+    pairs = [([-1.0, -2.0, -3.0], [-1.5, -2.0, -2.5]), ([-1.0], [-0.25]), ([-0.5, -0.5], [-0.5, -0.5])]
+    samples = [{"prompt_ids": prompts[r["prompt_index"]]["prompt_ids"], "response_ids": r["response_ids"],
+                "rollout_logprobs": torch.tensor(a), "old_logprobs": torch.tensor(b)}
+               for r, (a, b) in zip(responses, pairs)]
+    timing = {"step": 4.0, "gen": 0.3, "reward": 0.06, "old": 0.8, "ref": 1.6, "adv": 0.08, "update_actor": 2.4}
+    out = trainer._batch_metrics(prompts, responses, samples, cfg, {f"timing_s/{k}": v for k, v in timing.items()})
+    assert out == pytest.approx({
+        "response_length/mean": 2.0, "response_length/max": 3, "response_length/min": 1,
+        "response_length/clip_ratio": 1 / 3, "prompt_length/mean": 10 / 3, "prompt_length/max": 4,  # once a response
+        "prompt_length/min": 2, "prompt_length/clip_ratio": 2 / 3,
+        "rollout/logp_diff_mean": 1.75 / 6, "rollout/logp_diff_max": 0.75,
+        "perf/total_num_tokens": 16, "perf/time_per_step": 4.0, "perf/throughput": 16 / 4.0 / 2,  # per GPU
+        # ms per token: gen and reward over the 6 response tokens, the passes over the batch over all 16
+        "timing_per_token_ms/gen": 50.0, "timing_per_token_ms/reward": 10.0, "timing_per_token_ms/old": 50.0,
+        "timing_per_token_ms/ref": 100.0, "timing_per_token_ms/adv": 5.0, "timing_per_token_ms/update_actor": 150.0})
+
+
+def test_with_filtering_reward_metrics_are_over_every_response_generated():
+    """rollout_batch_size 2, rounds of x (0, 1), y (1, 1) then z (1, 0), w (1, 1): y and w (mean 1) are dropped.
+    EasyR1: reward/overall over all 8 responses generated = 6 / 8 (over the 4 kept: 2 / 4); every key averaged."""
+    run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=2", "worker.actor.global_batch_size=2",
+                   "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true")
+    table = {"x": (0.0, 1.0), "y": (1.0, 1.0), "z": (1.0, 0.0), "w": (1.0, 1.0)}
+    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
+        {"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
+        for i, p in enumerate(prompts) for j in range(2)])
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [{"overall": table[r["name"]][r["j"]], "format": 0.5} for r in responses]
+    prompts, _, _, rewards = run.make_batch({})
+    assert [p["name"] for p in prompts] == ["x", "z"]
+    assert rewards == {"reward/overall": 0.75, "reward/format": 0.5}
+
+
+def test_val_reward_score_is_the_overall_mean_with_several_reward_keys():
+    """Scores 1, 0, 0, 1 (overall) and format 1, 1, 1, 0 over the two val batches: val/reward_score is the overall
+    mean 2 / 4, each key has its val/<key>_reward mean (format 3 / 4), the last key's mean is no stand-in."""
+    run = val_run("trainer.val_generations_to_log=0")[0]
+    run.score = lambda prompts, responses: [{"overall": float(r["name"] in "ad"), "format": float(r["name"] != "d")}
+                                            for r in responses]
+    metrics = run.validate()
+    assert {k: v for k, v in metrics.items() if k.startswith("val/")} == {
+        "val/overall_reward": 0.5, "val/format_reward": 0.75, "val/reward_score": 0.5}

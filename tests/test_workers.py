@@ -1,0 +1,58 @@
+"""workers.WorkerGroup without Ray: prompts split over ranks, samples sharded per mini-batch (balanced by tokens,
+a prompt's responses kept together), results joined back in order, update metrics averaged over ranks."""
+
+import functools
+import types
+
+import workers
+
+
+def fake_group(world, mini_batch, **methods):
+    """A WorkerGroup of `world` ranks whose worker methods run at once: methods[name](rank, *args) -> result."""
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    group.world, group.mini_batch, group._get = world, mini_batch, lambda refs, what: refs
+    group.workers = [types.SimpleNamespace(**{name: types.SimpleNamespace(remote=functools.partial(fn, rank))
+                                             for name, fn in methods.items()}) for rank in range(world)]
+    return group
+
+
+def test_generate_deals_prompts_round_robin_and_joins_them_back_in_order():
+    """Prompts a..e over 2 ranks: rank 0 gets a, c, e and rank 1 b, d; each returns 2 responses per prompt with its
+    local prompt index. Joined: prompt indices 0..4 (local i of rank r -> 2 i + r), each prompt's 2 in order."""
+    got = {}
+
+    def generate(rank, prompts, sampling):
+        got[rank] = [p["name"] for p in prompts]
+        return [{"prompt_index": i, "text": p["name"] + str(j)} for i, p in enumerate(prompts) for j in range(2)]
+
+    out = fake_group(2, 4, generate=generate).generate([{"name": c} for c in "abcde"], {"seed": 0})
+    assert got == {0: ["a", "c", "e"], 1: ["b", "d"]}
+    assert [(r["prompt_index"], r["text"]) for r in out] == [(i, c + str(j)) for i, c in enumerate("abcde")
+                                                             for j in range(2)]
+
+
+SAMPLES = [{"id": i, "uid": u, "prompt_ids": [0] * p, "response_ids": [0] * r}  # mini-batches of 4: groups a, b | c, d
+           for i, (u, p, r) in enumerate(zip("aabbccdd", (10, 10, 2, 2, 1, 1, 3, 3), (1, 1, 5, 5, 1, 1, 2, 2)))]
+
+
+def test_shard_balances_each_mini_batch_by_prompt_and_response_tokens():
+    """Tokens (prompt + response): a 22, b 14 | c 4, d 10. Each mini-batch's two groups go one to each rank, the
+    heavier to rank 0: rank 0 = a then d, rank 1 = b then c, each rank's share of mini-batch 1 first. Balanced over
+    the whole batch it was a + c vs b + d; by response tokens alone (a 2, b 10) b went to rank 0."""
+    group = fake_group(2, 4)
+    lists, indices = group.shard(SAMPLES)
+    assert indices == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [[s["id"] for s in part] for part in lists] == indices
+    uneven = [{"uid": u, "prompt_ids": [0], "response_ids": [0]} for u in "aaab"]  # groups of 3 and 1: by sample
+    assert [len(i) for i in group.shard(uneven)[1]] == [2, 2]
+
+
+def test_log_probs_come_back_in_sample_order_and_update_metrics_are_the_ranks_mean():
+    """Rank 0 holds samples 0, 1, 6, 7 (as above): the joined log-probs follow the samples, not the ranks. Each
+    rank's update metrics: rank 0 pg_loss 1, rank 1 pg_loss 3 -> the mean 2; lr 2 on both -> 2; n (its samples)
+    4 on both -> 4."""
+    group = fake_group(2, 4, log_probs=lambda rank, samples, kind: [f"{kind}{s['id']}" for s in samples],
+                       update=lambda rank, samples: {"actor/pg_loss": 1.0 + 2 * rank, "actor/lr": 2.0,
+                                                     "n": float(len(samples))})
+    assert group.log_probs(SAMPLES, kind="old") == [f"old{i}" for i in range(8)]
+    assert group.update(SAMPLES) == {"actor/pg_loss": 2.0, "actor/lr": 2.0, "n": 4.0}
