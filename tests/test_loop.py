@@ -149,6 +149,19 @@ def bare_run(*overrides, step=0, training_steps=3):
     return run
 
 
+def two_round_run(*overrides, score):
+    """bare_run generating rounds [x, y] then [z, w], n = 2; response j of prompt p carries p's name and j, and
+    scores score(name, j) -> its reward dict."""
+    run = bare_run("worker.rollout.n=2", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", *overrides)
+    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
+    run.workers = types.SimpleNamespace(sleep=lambda: None, generate=lambda prompts, sampling: [
+        {"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
+        for i, p in enumerate(prompts) for j in range(2)])
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [score(r["name"], r["j"]) for r in responses]
+    return run
+
+
 def scripted_fit(run):
     """fit() with train_step, validate and save_checkpoint replaced by recorders; -> (validated at, saved at)."""
     validated, saved = [], []
@@ -412,25 +425,11 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
     (scores 0, 1: mean 0.5, spread) and y (0.5, 0.5: mean 0.5, no spread); round 2 z (1, 0) and w (1, 1:
     mean 1, outside). GRPO drops y and needs round 2; REINFORCE++ and ReMax keep x and y in round 1. The
     spread test reads the overall score, what the advantages use, not filter_key's."""
-    run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=2", "worker.actor.global_batch_size=2",
-                   "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true", "algorithm.filter_key=accuracy",
-                   "algorithm.filter_low=0.1", "algorithm.filter_high=0.9", f"algorithm.adv_estimator={estimator}")
     table = {"x": (0.0, 1.0), "y": (0.5, 0.5), "z": (1.0, 0.0), "w": (1.0, 1.0)}
-    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
-
-    class Workers:
-        def generate(self, prompts, sampling):
-            return [{"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
-                    for i, p in enumerate(prompts) for j in range(sampling["n"])]
-
-        def sleep(self):
-            pass
-
-    run.workers = Workers()
-    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
-    run.score = lambda prompts, responses: [
-        {"overall": ({**table, "y": y_overall})[r["name"]][r["j"]], "accuracy": table[r["name"]][r["j"]]}
-        for r in responses]
+    run = two_round_run("data.rollout_batch_size=2", "worker.actor.global_batch_size=2",
+                        "algorithm.online_filtering=true", "algorithm.filter_key=accuracy", "algorithm.filter_low=0.1",
+                        "algorithm.filter_high=0.9", f"algorithm.adv_estimator={estimator}",
+                        score=lambda p, j: {"overall": ({**table, "y": y_overall})[p][j], "accuracy": table[p][j]})
     prompts, responses, scores, _ = run.make_batch({})
     assert [p["name"] for p in prompts] == kept
     assert [r["prompt_index"] for r in responses] == [0, 0, 1, 1]
@@ -606,15 +605,9 @@ def test_without_filtering_reward_metrics_are_over_the_trained_responses():
     trained on. As EasyR1 (reward/* of the truncated batch), reward/overall is over the 6 responses kept: prompts
     x, y, z scored (1, 1), (0, 0), (1, 0) -> 3 / 6, not over w's (1, 1) too (5 / 8). With filtering it is over every
     response generated, dropped ones too (EasyR1)."""
-    run = bare_run("data.rollout_batch_size=3", "data.mini_rollout_batch_size=2", "worker.rollout.n=2",
-                   "worker.actor.global_batch_size=3", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf")
     table = {"x": (1.0, 1.0), "y": (0.0, 0.0), "z": (1.0, 0.0), "w": (1.0, 1.0)}
-    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
-    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
-        {"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
-        for i, p in enumerate(prompts) for j in range(2)])
-    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
-    run.score = lambda prompts, responses: [{"overall": table[r["name"]][r["j"]]} for r in responses]
+    run = two_round_run("data.rollout_batch_size=3", "data.mini_rollout_batch_size=2",
+                        "worker.actor.global_batch_size=3", score=lambda p, j: {"overall": table[p][j]})
     metrics = {}
     prompts, responses, scores, rewards = run.make_batch(metrics)
     assert [p["name"] for p in prompts] == ["x", "y", "z"] and metrics["filter/rounds"] == 2
@@ -664,15 +657,9 @@ def test_batch_metrics_by_hand():
 def test_with_filtering_reward_metrics_are_over_every_response_generated():
     """rollout_batch_size 2, rounds of x (0, 1), y (1, 1) then z (1, 0), w (1, 1): y and w (mean 1) are dropped.
     EasyR1: reward/overall over all 8 responses generated = 6 / 8 (over the 4 kept: 2 / 4); every key averaged."""
-    run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=2", "worker.actor.global_batch_size=2",
-                   "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true")
     table = {"x": (0.0, 1.0), "y": (1.0, 1.0), "z": (1.0, 0.0), "w": (1.0, 1.0)}
-    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
-    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
-        {"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
-        for i, p in enumerate(prompts) for j in range(2)])
-    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
-    run.score = lambda prompts, responses: [{"overall": table[r["name"]][r["j"]], "format": 0.5} for r in responses]
+    run = two_round_run("data.rollout_batch_size=2", "worker.actor.global_batch_size=2",
+                        "algorithm.online_filtering=true", score=lambda p, j: {"overall": table[p][j], "format": 0.5})
     prompts, _, _, rewards = run.make_batch({})
     assert [p["name"] for p in prompts] == ["x", "z"]
     assert rewards == {"reward/overall": 0.75, "reward/format": 0.5}
