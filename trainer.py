@@ -620,12 +620,12 @@ def main(argv=None):
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value")
     args = parser.parse_args(argv)
-    files = [args.config] * (args.config is not None) + [o[7:] for o in args.overrides if o.startswith("config=")]
-    if len(files) > 1:  # EasyR1's scripts: `python3 -m verl.trainer.main config=examples/config.yaml a.b=c ...`
+    easyr1 = [o for o in args.overrides if o.startswith("config=")]  # its scripts: main config=examples/config.yaml
+    if len(files := ([args.config] if args.config else []) + [o.partition("=")[2] for o in easyr1]) > 1:
         parser.exit(2, f"config error: one config file, got {files} (--config path, or config=path)\n")
     try:
         cfg = load_config(files[0] if files else os.path.join(HERE, "configs", "toy.yaml"),
-                          [o for o in args.overrides if not o.startswith("config=")])
+                          [o for o in args.overrides if o not in easyr1])
         check_choices(cfg)
     except ConfigError as e:
         parser.exit(2, f"config error: {e}\n")
