@@ -355,9 +355,10 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
         indices = sample_frame_indices(total, rate, fps)
         wanted, frames, decoded = set(indices), [], 0
         container.seek(0)
-        for decoded, frame in enumerate(itertools.islice(container.decode(stream), indices[-1] + 1), 1):
-            if decoded - 1 in wanted:  # decoded: the frames decoded so far, this one included
+        for i, frame in enumerate(itertools.islice(container.decode(stream), indices[-1] + 1)):
+            if i in wanted:
                 frames.append(numpy.asarray(process_image(frame.to_image(), min_pixels, max_pixels)))
+            decoded = i + 1
     if len(frames) < len(indices):
         raise ValueError(f"only {decoded} of the {total} frames its header announces decode: truncated or corrupt")
     metadata = {"fps": rate, "duration": total / rate, "total_num_frames": total, "frames_indices": indices,
