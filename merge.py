@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import warnings
@@ -77,7 +78,7 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
         raise
     if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") loads it unchanged
         config = {**json.load(open(os.path.join(work, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
-        json.dump(config, open(os.path.join(work, "config.json"), "w"), indent=2, sort_keys=True)
+        pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))  # closed here
     if force and os.path.isdir(output):  # kept aside until the new output is in place: a crash in between loses nothing
         os.replace(output, os.path.join(partial, "old"))
     os.replace(work, output)  # without --force, an output made meanwhile by someone else is an error, never deleted
@@ -155,7 +156,8 @@ def write_adapter(model_dir, tensors, lora, out_dir, dtype):
     loaded = read_tensors(model_dir, tensors, keys)
     out = {re.sub(rf"\.{re.escape(adapter)}(\.weight)?$", r"\1", key): cast(loaded.pop(key), dtype) for key in keys}
     save_file(out, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    json.dump({**lora, "inference_mode": True}, open(f"{out_dir}/adapter_config.json", "w"), indent=2, sort_keys=True)
+    pathlib.Path(out_dir, "adapter_config.json").write_text(json.dumps({**lora, "inference_mode": True}, indent=2,
+                                                                      sort_keys=True))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

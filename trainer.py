@@ -288,7 +288,7 @@ class Run:
 
 TRACKER = "checkpoint_tracker.json"
 LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
-STEP_FOLDER = re.compile(r"global_step_(\d+)")  # a checkpoint's folder in the checkpoint root
+STEP_FOLDER = re.compile(r"global_step_(0|[1-9]\d*)")  # a checkpoint's folder in the checkpoint root (as written: no 007)
 
 
 def _sample(prompt, response):

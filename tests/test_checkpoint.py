@@ -500,6 +500,16 @@ def test_save_limit_zero_keeps_every_checkpoint(tmp_path):
     assert folders(tmp_path) == [1, 2, 3]
 
 
+def test_a_hand_made_zero_padded_step_folder_is_left_alone(tmp_path):
+    """global_step_007 is not a folder trainer.py writes (it would be global_step_7): rotation neither counts it
+    toward save_limit nor removes it, and it is not a checkpoint to resume from."""
+    for name in ("global_step_1", "global_step_2", "global_step_007"):
+        os.makedirs(tmp_path / name)
+    trainer._remove_old_checkpoints(str(tmp_path), 9, None, 3)  # step 9 (being saved), 2 and 1: the newest 3
+    assert sorted(os.listdir(tmp_path)) == ["global_step_007", "global_step_1", "global_step_2"]
+    assert trainer._saved_steps(str(tmp_path)) == [1, 2]
+
+
 def test_the_best_checkpoint_is_the_first_to_reach_the_top_score(tmp_path):
     """Steps 1-5 scored -, 0.5, 0.5, -, 0.4 (-: no validation): no best before the first validation; then step 2,
     which the tie at step 3 does not displace, nor a step without validation."""

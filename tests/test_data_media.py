@@ -146,6 +146,9 @@ def test_loader_order_is_the_documented_permutation_and_resumes_at_the_saved_bat
     got = [next(straight) for _ in range(7)]
     assert [[p["index"] for p in batch] for batch in got] == expected[:7]
     assert [p["uid"] for p in got[3]] == [f"1-{i}" for i in perm[1][0:3]]
+    whole = list(straight.epoch())  # epoch 2 (the current one) from its start, the position (2, 1) unmoved
+    assert [[p["index"] for p in b] for b in whole] == expected[6:9] and whole[2][0]["uid"] == f"2-{perm[2][6]}"
+    assert (straight.current_epoch, straight.batch) == (2, 1)
     resumed = make()
     resumed.load_state_dict({**straight.state_dict(), "epoch": 1, "batch": 2})
     assert [[p["index"] for p in next(resumed)] for _ in range(2)] == expected[5:7] and resumed.current_epoch == 2
