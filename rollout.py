@@ -320,9 +320,11 @@ class VLLMRollout:
             self.asleep -= tags
 
     def sleep(self):
-        """Reset the prefix and encoder caches (they hold results of the current weights), then sleep(level=1)."""
-        if self.asleep:
+        """Reset the prefix and encoder caches (they hold results of the current weights), then sleep(level=1).
+        vLLM's sleep releases every allocation: an engine with only its weights awake wakes its KV cache first."""
+        if self.asleep == {"weights", "kv_cache"}:
             return
+        self.wake_up()
         self.llm.reset_prefix_cache()
         if (reset_encoder_cache := _vllm_internals(self.llm)["reset_encoder_cache"]) is not None:
             reset_encoder_cache()

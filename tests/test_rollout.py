@@ -307,32 +307,30 @@ def test_text_only_model(toy):
         assert (torch.tensor(r["logprobs"]) - expected).abs().max().item() < HF_TOL
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy, tmp_path, monkeypatch):
-    """No GPU needed: a stand-in vLLM records what the engine hands it. Videos go as multi_modal_data
-    {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
-    already), as EasyR1 sends them; for Qwen2.5-VL the metadata goes as the processor's video_metadata (vLLM
-    0.24 drops it from a (video, metadata) pair there, and the processor then takes 24 fps for the time
-    positions); limit_mm_per_prompt allows as many videos as the data has (0 without)."""
+def fake_vllm(monkeypatch):
+    """A stand-in vLLM module; -> the dict where its LLM records its init kwargs and requests. Sleep mode as vLLM's
+    CuMemAllocator does it: sleep() releases every allocation (one already released is an error), wake_up(tags)
+    maps those tags again."""
     import sys
-
-    import numpy
-    from transformers import AutoConfig, Qwen3VLConfig
 
     calls = {}
 
     class FakeLLM:
         def __init__(self, **kwargs):
-            calls["init"] = kwargs
+            calls["init"], calls["awake"] = kwargs, {"weights", "kv_cache"}
             model = types.SimpleNamespace(load_weights=lambda named: list(named))
             runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
-            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
-                driver_worker=types.SimpleNamespace(worker=runner)))
+            executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=runner))
+            self.llm_engine = types.SimpleNamespace(model_executor=executor, reset_encoder_cache=lambda: None)
 
         def sleep(self, level):
-            pass
+            assert calls["awake"] == {"weights", "kv_cache"}, f"sleep() with only {calls['awake']} mapped"
+            calls["awake"] = set()
 
         def wake_up(self, tags=None):
+            calls["awake"] |= set(tags or ("weights", "kv_cache"))
+
+        def reset_prefix_cache(self):
             pass
 
         def generate(self, requests, params, use_tqdm):
@@ -344,6 +342,36 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
     parallel_state = types.SimpleNamespace(model_parallel_is_initialized=lambda: False)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw))
     monkeypatch.setitem(sys.modules, "vllm.distributed", types.SimpleNamespace(parallel_state=parallel_state))
+    return calls
+
+
+def test_vllm_sleeps_whole_after_a_weight_sync_without_generation(toy, monkeypatch):
+    """load_weights wakes only the weights; a sleep() right after (no wake_up, no generate) must still release
+    them, which vLLM's sleep does only for a wholly awake engine."""
+    calls = fake_vllm(monkeypatch)
+    engine = rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=64, max_response_length=8,
+                                  device="cuda")
+    assert calls["awake"] == set()  # asleep from the start
+    engine.load_weights(iter([]))
+    assert calls["awake"] == {"weights"}
+    engine.sleep()
+    assert calls["awake"] == set()
+    engine.wake_up()
+    engine.sleep()
+    assert calls["awake"] == set()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy, tmp_path, monkeypatch):
+    """No GPU needed: a stand-in vLLM records what the engine hands it. Videos go as multi_modal_data
+    {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
+    already), as EasyR1 sends them; for Qwen2.5-VL the metadata goes as the processor's video_metadata (vLLM
+    0.24 drops it from a (video, metadata) pair there, and the processor then takes 24 fps for the time
+    positions); limit_mm_per_prompt allows as many videos as the data has (0 without)."""
+    import numpy
+    from transformers import AutoConfig, Qwen3VLConfig
+
+    calls = fake_vllm(monkeypatch)
     path = toy["vl_model"]
     if family == "qwen3_vl":
         path = str(tmp_path / "qwen3")
