@@ -21,6 +21,7 @@ import rollout
 torch.set_num_threads(1)
 IM_END, ENDOFTEXT, IMAGE_PAD, VIDEO_PAD = 2, 0, 5, 6  # toy tokenizer ids (checked in the fixture)
 HF_TOL, VLLM_TOL = 1e-4, 2e-3  # |logp_rollout - logp_reference|: fp32 CPU transformers; fp32 vLLM kernels
+VLLM_VIDEO_TOL = 5e-3  # vLLM's fp32 video path: up to 0.0027 from transformers here, text-only prompts exact
 
 
 def config(**changes):
@@ -204,7 +205,11 @@ def test_logprobs_equal_an_independent_forward(engine, world, temperature, top_k
 
 def test_video_prompts_logprobs_equal_an_independent_forward(engine, world):
     """Video, image + video and text prompts in one batch, as data.py makes them (sampled frames and their
-    metadata, the processor's tensors, the model's own positions with the video's temporal ones)."""
+    metadata, the processor's tensors, the model's own positions with the video's temporal ones). The time
+    positions are checked on the transformers engine only: wrong ones (24 or 2 fps for 1) move this toy's log-probs
+    by 0.0003-0.0016, within vLLM's own distance from transformers on video prompts (up to 0.0027, whatever the
+    fps: its vision path). On vLLM this checks that each video arrives, in its place; what rollout.py hands vLLM
+    for the time positions is checked by test_vllm_requests_carry_videos_and_limit_them_as_the_data_does."""
     import numpy
 
     import toy as toy_world
@@ -238,7 +243,8 @@ def test_video_prompts_logprobs_equal_an_independent_forward(engine, world):
     assert [r["uid"] for r in out] == ["v", "v", "iv", "iv", "b", "b"]
     worst = max((torch.tensor(r["logprobs"]) - reference_logprobs(model, (prompts + [world.prompts[1]])[
         r["prompt_index"]], r["response_ids"], 1.0)).abs().max().item() for r in out)
-    assert worst < engine.tolerance, f"max |logp_rollout - logp_reference| = {worst}"
+    tolerance = VLLM_VIDEO_TOL if engine.tolerance == VLLM_TOL else engine.tolerance
+    assert worst < tolerance, f"max |logp_rollout - logp_reference| = {worst}"
 
 
 def test_batched_left_padded_equals_one_by_one_greedy(engine, world):
