@@ -11,6 +11,7 @@ import importlib.util
 import os
 import random
 import re
+import shutil
 import types
 
 import pytest
@@ -284,7 +285,7 @@ def test_load_weights_changes_the_output_and_rejects_unknown_names(engine, world
         with pytest.raises(KeyError, match="model.language_model.no_such.weight"):
             engine.load_weights(iter([("model.language_model.no_such.weight", torch.zeros(1))]))
         with pytest.raises(ValueError, match="lm_head.weight"):
-            engine.load_weights(iter([("lm_head.weight", torch.zeros(3, 3))]))
+            engine.load_weights(iter([("lm_head.weight", world.base["lm_head.weight"].T)]))  # same size, transposed
 
 
 def test_sleep_and_wake_up_keep_the_weights(engine, world):
@@ -619,3 +620,81 @@ def test_trust_remote_code_reaches_every_load_of_the_transformers_engine(toy, mo
     assert ("GenerationConfig", True) in seen  # (transformers' own model load also reads it, without the flag)
     assert all(flag is True for name, flag in seen if name != "GenerationConfig"), seen
     assert {name for name, _ in seen} == {"AutoConfig", "AutoModelForImageTextToText", "GenerationConfig"}
+
+
+def test_each_row_races_on_its_own_seeded_stream_in_batches_of_two(toy, world):
+    """Sample j of prompt i is argmax p / E, E ~ Exp(1) from derive_seed(seed, i, j)'s generator, split in batches."""
+    engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4,
+                                  device="cpu", batch_size=2)
+    out = engine.generate(world.prompts, n=2, temperature=1.0, max_tokens=1, seed=9)
+    assert [r["prompt_index"] for r in out] == [0, 0, 1, 1, 2, 2]
+    for k, r in enumerate(out):
+        prompt, ids = world.prompts[k // 2], torch.tensor([world.prompts[k // 2]["prompt_ids"]])
+        with torch.no_grad():
+            z = world.reference(input_ids=ids, mm_token_type_ids=(ids == IMAGE_PAD).long(),
+                                **prompt["multi_modal_inputs"]).logits[0, -1].float()
+        z[[IMAGE_PAD, VIDEO_PAD]] = float("-inf")
+        generator = torch.Generator().manual_seed(rollout.derive_seed(9, k // 2, k % 2))
+        race = torch.empty_like(z).exponential_(generator=generator)
+        assert r["response_ids"][0] == (z.softmax(-1) / race).argmax().item(), k
+
+
+def test_decoding_stops_once_every_row_ended_unless_ignore_eos(toy, world):
+    """<|endoftext|> (the 2nd EOS) first everywhere: one forward; with ignore_eos all max_response_length of them."""
+    for ignore_eos, forwards in ((False, 1), (True, 5)):
+        engine = rollout.make_rollout(config(ignore_eos=ignore_eos), toy["vl_model"], max_prompt_length=64,
+                                      max_response_length=5, device="cpu")
+        fresh(engine, world, prefer={ENDOFTEXT: 5.0})
+        calls, forward = [], engine.model.forward
+        engine.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        out = engine.generate(world.prompts, n=1, seed=0)
+        assert len(calls) == forwards and [r["response_ids"] for r in out] == [[ENDOFTEXT]] * 3
+
+
+def test_response_is_cut_after_the_first_eos_of_any_kind():
+    """The first EOS of any kind in the list ends the response, even if another follows; without one: "length"."""
+    r = rollout._response(1, "u", [7, ENDOFTEXT, 8, IM_END], [-1.0, -2.0, -3.0, -4.0], [IM_END, ENDOFTEXT])
+    assert r == {"prompt_index": 1, "uid": "u", "response_ids": [7, ENDOFTEXT], "logprobs": [-1.0, -2.0],
+                 "finish_reason": "stop"}
+    assert rollout._response(0, "u", (7, 8), [-1.0, -2.0], [IM_END])["finish_reason"] == "length"
+
+
+def test_vllm_sampling_params_of_each_request(toy, monkeypatch):
+    """One request per sample, seeded derive_seed(seed, i, j), with the settings, the EOS list and the -100 ban."""
+    fake_vllm(monkeypatch)
+    prompts = [{"uid": "x", "raw_prompt_ids": [1, 9]}, {"uid": "y", "raw_prompt_ids": [1, 10]}]
+    for ignore_eos, stop in ((False, [IM_END, ENDOFTEXT]), (True, [])):
+        engine = rollout.make_rollout(config(name="vllm", ignore_eos=ignore_eos), toy["vl_model"],
+                                      max_prompt_length=64, max_response_length=8, device="cuda")
+        with pytest.raises(RuntimeError, match="load_weights"):
+            engine.generate(prompts, n=1)
+        engine.load_weights(iter([]))
+        seen, generate = [], engine.llm.generate
+        engine.llm.generate = lambda reqs, params, use_tqdm: seen.append((reqs, params)) or generate(reqs, params, 0)
+        out = engine.generate(prompts, n=2, temperature=0.5, top_p=0.9, top_k=7, max_tokens=3, seed=4)
+        assert [r["uid"] for r in out] == ["x", "x", "y", "y"]
+        (requests, params), = seen
+        assert [r["prompt_token_ids"] for r in requests] == [[1, 9], [1, 9], [1, 10], [1, 10]]
+        assert params == [dict(n=1, temperature=0.5, top_p=0.9, top_k=7, max_tokens=3, logprobs=0, detokenize=False,
+                               seed=rollout.derive_seed(4, i, j), ignore_eos=ignore_eos, stop_token_ids=stop,
+                               logit_bias={IMAGE_PAD: -100.0, VIDEO_PAD: -100.0}) for i in (0, 1) for j in (0, 1)]
+    with pytest.raises(ValueError, match="n=0"):
+        engine.generate(prompts, n=0)
+    with pytest.raises(KeyError, match=r"prompt 1 lacks \['uid'\]"):
+        engine.generate([prompts[0], {"raw_prompt_ids": [1]}])
+
+
+def test_sampler_edges_top_k_of_all_but_one_and_top_p_mass_reached_exactly():
+    """top_k = vocab - 1 drops the least likely token; top_p 0.5 on [0.5, 0.25, 0.25] keeps the first alone."""
+    gens = [torch.Generator().manual_seed(i) for i in range(300)]
+    token, logp = rollout._sample_next(torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(300, 1), [], 1.0, 1.0, 3, gens)
+    assert 0 not in token.tolist() and torch.allclose(logp, torch.tensor([1.0, 2.0, 3.0]).log_softmax(-1)[token - 1])
+    token, logp = rollout._sample_next(torch.tensor([[2.0, 1.0, 1.0]]).log().repeat(300, 1), [], 1.0, 0.5, -1, gens)
+    assert token.tolist() == [0] * 300 and logp.abs().max() < 1e-6
+
+
+def test_eos_list_from_the_tokenizer_folders_generation_config_when_the_model_has_none(toy, tmp_path):
+    """A model folder without generation_config.json: the EOS list comes from the tokenizer folder's one."""
+    shutil.copytree(toy["vl_model"], tmp_path / "m", ignore=lambda d, names: ["generation_config.json"])
+    _, eos, banned, pad = rollout._load_config(str(tmp_path / "m"), toy["vl_model"])
+    assert (eos, banned, pad) == ([IM_END, ENDOFTEXT], [IMAGE_PAD, VIDEO_PAD], ENDOFTEXT)
