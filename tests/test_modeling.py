@@ -1,0 +1,285 @@
+"""modeling.py's plumbing checked against hand-worked values and plain reference implementations: the edge cases of
+micro-batch balancing, grouping of samples that share images or videos, the image / video order of a packed row,
+the response head in bf16 and on no tokens, the packed attention's boundaries, causality and scale, the vision
+output helpers, a hand-worked AdamWBF16 step and the FLOP counts. CPU only, no model needed."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import modeling
+
+
+# ----------------------------------------------------------------------------------------------
+# Balancing and grouping
+# ----------------------------------------------------------------------------------------------
+
+def test_partition_balanced_fills_the_lightest_group_by_tokens_not_by_count():
+    """partition_balanced picks the group with the fewest tokens, not the fewest items: [10, 1, 1, 1] into 2 groups
+    is 10 | 1 + 1 + 1 (each 1 goes to the group of 1 or 2 tokens, not to the 10 that has fewer items)."""
+    assert modeling.partition_balanced([10, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert modeling.partition_balanced([10, 1, 1, 1], 2, equal_size=True) == [[0, 3], [1, 2]]
+
+
+def test_micro_batches_needed_edge_cases_by_hand():
+    """micro_batches_needed per its docstring, worked by hand: a single sequence over the budget may sit alone
+    ([300 | 10 + 10] fits in 2), the count never exceeds the number of sequences ([1000] -> 1, not 5), and it
+    starts at ceil(total / budget) even where fewer groups would fit ([500, 10, 10, 10] at 200: 530 / 200 -> 3,
+    although 500 | 10 + 10 + 10 would be 2)."""
+    assert modeling.micro_batches_needed([300, 10, 10], 200) == 2
+    assert modeling.micro_batches_needed([1000], 200) == 1
+    assert modeling.micro_batches_needed([1000, 10], 200) == 2
+    assert modeling.micro_batches_needed([500, 10, 10, 10], 200) == 3
+
+
+def _sample(inputs, n=1):
+    return {"prompt_ids": [1] * n, "response_ids": [], "multi_modal_inputs": inputs}
+
+
+def test_shared_image_units_group_shared_images_and_videos_within_the_budget():
+    """Samples whose image (or video) tensors are the same objects, each in a dict of its own, form one unit while
+    the unit stays within the budget: 4 + 4 = 8 tokens at budget 8 is allowed (the bound is inclusive), a third
+    sample of that image (12 > 8) opens a new unit; two samples sharing only a video are grouped as well; a sample
+    without images stays alone. Worked by hand."""
+    img = {"pixel_values": torch.zeros(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    vid = {"pixel_values_videos": torch.zeros(8, 3), "video_grid_thw": torch.tensor([[2, 2, 2]])}
+    samples = [_sample(dict(img)), _sample({}), _sample(dict(vid)), _sample(dict(img)), _sample(dict(vid)),
+               _sample(dict(img))]
+    assert modeling.shared_image_units(samples, [4, 3, 3, 4, 3, 4], 8) == [[0, 3], [1], [2, 4], [5]]
+
+
+def test_pixels_key_tells_apart_equal_shapes_and_views():
+    """pixels_key: the same tensor in two dicts is the same key; a different tensor of the same shape (another
+    image of the same size) is not; a prefix view of the same memory with another shape is not either."""
+    pixels = torch.randn(8, 3)
+    key = modeling.pixels_key({"pixel_values": pixels}, "pixel_values")
+    assert key == modeling.pixels_key(dict({"pixel_values": pixels}), "pixel_values")
+    assert key != modeling.pixels_key({"pixel_values": pixels.clone()}, "pixel_values")
+    assert key != modeling.pixels_key({"pixel_values": pixels[:4]}, "pixel_values")
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------
+
+def _vl_sample(prompt, response, inputs):
+    return {"prompt_ids": prompt, "response_ids": response, "multi_modal_inputs": inputs,
+            "position_ids": torch.arange(len(prompt)).expand(4, -1)}  # stand-in mrope rows
+
+
+def test_pack_samples_image_order_with_several_images_per_prompt():
+    """mm_order indexes images, not prompts: prompt A has two images (1 token each at merge 2), prompt B one, a
+    third sample shares A's tensors. `mm` holds A's two images then B's (each once) and the row's five image slots
+    are images [0, 1, 2, 0, 1]; two distinct videos get [0, 1]. Worked by hand."""
+    a = {"pixel_values": torch.randn(8, 3), "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
+    b = {"pixel_values": torch.randn(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    v1 = {"pixel_values_videos": torch.randn(8, 3), "video_grid_thw": torch.tensor([[2, 2, 2]])}  # 2 tokens
+    v2 = {"pixel_values_videos": torch.randn(8, 3), "video_grid_thw": torch.tensor([[2, 2, 2]])}
+    samples = [_vl_sample([1, 99, 99, 2], [3], dict(a)), _vl_sample([1, 99, 2], [4], dict(b)),
+               _vl_sample([1, 99, 99, 2], [5, 6], dict(a)), _vl_sample([1, 98, 98], [7], v1),
+               _vl_sample([98, 98, 2], [8], v2)]
+    batch = modeling.pack_samples(samples, True, image_token_id=99, video_token_id=98, merge=2)
+    assert batch["mm_order"] == {"image": [0, 1, 2, 0, 1], "video": [0, 1]}
+    assert torch.equal(batch["mm"]["pixel_values"], torch.cat([a["pixel_values"], b["pixel_values"]]))
+    assert batch["mm"]["image_grid_thw"].tolist() == [[1, 2, 2]] * 3
+    assert batch["mm"]["video_grid_thw"].tolist() == [[2, 2, 2]] * 2
+
+
+def test_pack_samples_rejects_an_image_token_in_the_response():
+    """A response that contains the image placeholder token would take image features at a text position: the
+    sample is refused, also when its prompt has the right number of placeholders."""
+    image = {"pixel_values": torch.zeros(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    assert modeling.pack_samples([_vl_sample([1, 99, 2], [3], image)], True, image_token_id=99, video_token_id=98,
+                                 merge=2)["labels"].tolist() == [3]
+    with pytest.raises(ValueError, match="and 1 in its response"):
+        modeling.pack_samples([_vl_sample([1, 99, 2], [3, 99], image)], True, image_token_id=99, video_token_id=98,
+                              merge=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Response head
+# ----------------------------------------------------------------------------------------------
+
+def test_response_log_probs_divide_by_temperature_in_fp32():
+    """With a bf16 LM head the logits are taken to fp32 before the division by the temperature (0.7, not a power of
+    two, so dividing in bf16 would round): log-probs equal log_softmax(float(head(h)) / T) to 1e-5."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 64, bias=False).bfloat16()
+    with torch.no_grad():
+        head.weight.mul_(8.0)  # logits of a few units: bf16 rounding of z / T is then ~1e-2
+    hidden = torch.randn(5, 32).bfloat16()
+    labels = torch.randint(0, 64, (5,))
+    with torch.no_grad():
+        logp, _ = modeling.response_log_probs(hidden, head, labels, 0.7)
+        ref = torch.log_softmax(head(hidden).float() / 0.7, -1).gather(-1, labels[:, None])[:, 0]
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)
+
+
+def test_response_log_probs_of_no_tokens_stay_in_the_graph():
+    """No response tokens: empty log-probs and entropies that still depend on the model, so a backward through
+    them works and gives the body zero gradients (a rank with only empty responses joins FSDP's reductions)."""
+    body = torch.nn.Linear(4, 6)
+    head = torch.nn.Linear(6, 10, bias=False)
+    hidden = body(torch.randn(3, 4))[:0]
+    logp, ent = modeling.response_log_probs(hidden, head, torch.zeros(0, dtype=torch.long), 1.0, with_entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,) and logp.dtype == torch.float32
+    logp.sum().backward()
+    assert body.weight.grad is not None and not body.weight.grad.any()
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed attention (the block-diagonal sdpa fallback on the CPU)
+# ----------------------------------------------------------------------------------------------
+
+def _reference_attention(q, k, v, bounds, causal, scale):
+    """q [T, Hq, D], k / v [T, Hkv, D] -> [T, Hq, D]: each [a, b) on its own, softmax written out."""
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].repeat_interleave(rep, 1).transpose(0, 1), \
+            v[a:b].repeat_interleave(rep, 1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) * scale  # [H, L, L]
+        if causal:
+            scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def qkv():
+    torch.manual_seed(0)
+    return torch.randn(1, 4, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)  # [1, H, T, D], GQA 4 / 2
+
+
+def _attend(qkv, module, **kwargs):
+    out, weights = modeling.packed_attention(module, *qkv, **kwargs)
+    assert weights is None and out.shape == (1, 9, 4, 8)
+    return out[0]
+
+
+def test_packed_attention_boundaries_causality_and_scale(qkv):
+    """packed_attention against a written-out per-sequence softmax attention: the vision tower's cu_seq_lens_q
+    wins over packed_cu_seqlens; an explicit is_causal=False beats the module's is_causal=True; `scaling` is
+    applied (not the default 1/sqrt(D)); with no boundaries at all the row is one causal sequence."""
+    q, k, v = (x[0].transpose(0, 1) for x in qkv)
+    module = SimpleNamespace(is_causal=True)
+    default = 8 ** -0.5
+    packed = dict(packed_cu_seqlens=torch.tensor([0, 3, 9]), packed_max_seqlen=6)
+    torch.testing.assert_close(_attend(qkv, module, **packed),
+                               _reference_attention(q, k, v, [0, 3, 9], True, default), rtol=1e-5, atol=1e-6)
+    both = dict(packed, cu_seq_lens_q=torch.tensor([0, 5, 9], dtype=torch.int32), max_length_q=5)
+    torch.testing.assert_close(_attend(qkv, module, **both),
+                               _reference_attention(q, k, v, [0, 5, 9], True, default), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attend(qkv, module, is_causal=False, **packed),
+                               _reference_attention(q, k, v, [0, 3, 9], False, default), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attend(qkv, module, scaling=0.9, **packed),
+                               _reference_attention(q, k, v, [0, 3, 9], True, 0.9), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attend(qkv, module), _reference_attention(q, k, v, [0, 9], True, default),
+                               rtol=1e-5, atol=1e-6)
+    non_causal = SimpleNamespace(is_causal=False)
+    torch.testing.assert_close(_attend(qkv, non_causal, **packed),
+                               _reference_attention(q, k, v, [0, 3, 9], False, default), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Vision output helpers
+# ----------------------------------------------------------------------------------------------
+
+def test_repeat_images_reindexes_per_image_tuples_only():
+    """_repeat_images with 2 distinct images behind 3 slots [0, 1, 0]: the per-image tuple (pooler_output) and each
+    layer's tuple of a nested list (Qwen3-VL deepstack) become (img0, img1, img0); a plain tensor and a tuple whose
+    length is not the image count (e.g. per-layer hidden states) are left as they are."""
+    a, b, c, d = (torch.full((1, 2), float(i)) for i in range(4))
+    layers = (torch.zeros(1), torch.ones(1), torch.full((1,), 2.0))
+    flat = torch.randn(5, 2)
+    out = modeling._repeat_images({"last_hidden_state": flat, "pooler_output": (a, b), "deepstack": [(c, d)],
+                                   "hidden_states": layers}, [0, 1, 0], 2)
+    assert out["last_hidden_state"] is flat
+    assert [t is x for t, x in zip(out["pooler_output"], (a, b, a))] == [True] * 3
+    assert len(out["deepstack"]) == 1 and [t is x for t, x in zip(out["deepstack"][0], (c, d, c))] == [True] * 3
+    assert len(out["hidden_states"]) == 3 and all(t is x for t, x in zip(out["hidden_states"], layers))
+
+
+def test_as_zero_rows_empties_every_tensor_and_ties_each_to_all_floats():
+    """_as_zero_rows: every tensor, integer ones included, has zero rows; each floating one depends on every
+    floating tensor of the output, so whichever the model uses, the whole tower gets a (zero) gradient."""
+    x, y = torch.randn(3, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    out = modeling._as_zero_rows({"last_hidden_state": x * 2, "pooler_output": (x[:2] * 3,), "deepstack": [y * 1],
+                                  "grid": torch.tensor([[1, 2, 2]])})
+    assert out["last_hidden_state"].shape == (0, 4) and out["pooler_output"][0].shape == (0, 4)
+    assert out["grid"].shape == (0, 3) and out["grid"].dtype == torch.long
+    gx, gy = torch.autograd.grad(out["pooler_output"][0].sum(), (x, y))
+    assert not gx.any() and not gy.any()
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamWBF16: a hand-worked reference
+# ----------------------------------------------------------------------------------------------
+
+def _adamw_reference(p, grads, lr, b1, b2, eps, wd):
+    """Plain float64 AdamW on a scalar (torch's definition): decoupled decay lr * wd * p, bias corrections."""
+    m = v = 0.0
+    for t, g in enumerate(grads, 1):
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1 ** t) / (math.sqrt(v / (1 - b2 ** t)) + eps) + wd * p)
+    return p
+
+
+def test_adamw_bf16_steps_match_a_hand_worked_adamw():
+    """Three steps on fp32 weights (compensation stays 0) with betas (0.5, 0.75), so the bf16 moments hold powers
+    of two exactly, and gradients of ~1e-6 where eps = 1e-8 (added after the square root) is a 1% effect: the
+    weights equal a float64 scalar AdamW to 1e-6 relative. A parameter without a gradient is skipped (no state,
+    unchanged)."""
+    g = 2.0 ** -20
+    grads = [g, -g, 4 * g]
+    w0 = torch.tensor([1.0, -0.5, 0.25, 2.0])
+    p = torch.nn.Parameter(w0.clone())
+    idle = torch.nn.Parameter(torch.ones(3))
+    opt = modeling.AdamWBF16([p, idle], lr=1e-2, betas=(0.5, 0.75), eps=1e-8, weight_decay=0.1)
+    for grad in grads:
+        p.grad = torch.full_like(p, grad)
+        opt.step()
+    expected = torch.tensor([_adamw_reference(w, grads, 1e-2, 0.5, 0.75, 1e-8, 0.1) for w in w0.tolist()])
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0)
+    assert not opt.state[p]["compensation"].any() and opt.state[p]["step"].item() == 3
+    assert idle not in opt.state and torch.equal(idle.detach(), torch.ones(3))
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs
+# ----------------------------------------------------------------------------------------------
+
+class _TinyVL(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.visual = torch.nn.Linear(3, 5)  # 20 parameters, per patch
+        self.model.embed_tokens = torch.nn.Embedding(10, 4)  # a lookup: not counted
+        self.model.layer = torch.nn.Linear(4, 4)  # 20
+        self.lm_head = torch.nn.Linear(4, 10, bias=False)  # 40
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def test_count_flops_params_vision_and_explicit_head_dim_by_hand():
+    """count_flops_params on a hand-built model: the vision tower's 20 parameters go to "vision" (not the body),
+    the body is the 20 of its text layer, the head 40; attention uses the config's head_dim (32) where it differs
+    from hidden_size / heads (64 / 4 = 16): 32 x 4 heads x 3 layers."""
+    config = SimpleNamespace(num_attention_heads=4, head_dim=32, hidden_size=64, num_hidden_layers=3)
+    assert modeling.count_flops_params(_TinyVL(), config) == {"body": 20, "head": 40, "vision": 20,
+                                                             "attention": 384}
+
+
+def test_batch_flops_by_hand():
+    """6 (P_body T + P_head R + P_vision patches) + 6 P_attention sum(L^2), worked by hand: T = 3 + 4, R = 1 + 2,
+    patches = 6 image + 4 video rows (grids are not patches), sum(L^2) = 9 + 16:
+    6 (2 * 7 + 3 * 3 + 5 * 10 + 7 * 25) = 1488."""
+    params = {"body": 2, "head": 3, "vision": 5, "attention": 7}
+    batch = {"seq_lens": [3, 4], "resp_lens": [1, 2],
+             "mm": {"pixel_values": torch.zeros(6, 2), "image_grid_thw": torch.zeros(1, 3),
+                    "pixel_values_videos": torch.zeros(4, 2), "video_grid_thw": torch.zeros(2, 3)}}
+    assert modeling.batch_flops(params, batch) == 1488.0
