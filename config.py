@@ -280,7 +280,7 @@ def check_config(cfg):
     if a.global_batch_size * r.n % world:  # then rollout_batch_size x n, a multiple, divides too
         raise ConfigError(f"worker.actor.global_batch_size x worker.rollout.n = {a.global_batch_size * r.n} must be "
                           f"divisible by the {world} workers (trainer.nnodes x trainer.n_gpus_per_node)")
-    if alg.adv_estimator in ("grpo", "grpo_passk", "rloo") and r.n < 2:
+    if alg.adv_estimator in ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} needs groups: worker.rollout.n={r.n} < 2")
     if alg.kl_type == "adaptive" and (alg.kl_target <= 0 or alg.kl_horizon <= 0.2 * n):  # beta (1 - 0.2 n / h) > 0
         raise ConfigError(f"algorithm.kl_type=adaptive needs algorithm.kl_target={alg.kl_target} > 0 and "

@@ -491,3 +491,102 @@ def test_easyr1_keys_of_features_not_here_load_only_with_the_value_that_works(ov
     with pytest.raises(ConfigError, match=re.escape("only 1 and true are supported (no sequence parallelism")):
         load_config(None, [override])
     load_config(None, ["worker.actor.ulysses_size=1", "worker.actor.padding_free=true"])
+
+
+@pytest.mark.parametrize("override", ["worker.actor.ppo_epochs=0", "worker.rollout.n=0", "trainer.total_epochs=0",
+                                      "trainer.nnodes=0", "trainer.n_gpus_per_node=0", "data.val_batch_size=-2"])
+def test_more_counts_below_one_are_config_errors_naming_the_key(override):
+    """Zero epochs, responses, nodes or GPUs (0 workers: a division by zero) and val_batch_size -2 fail naming the
+    key (reinforce_plus_plus, so that n=0 is not caught as a group estimator's n < 2 first)."""
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value} must be at least 1")):
+        load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus", override])
+
+
+def test_the_edges_of_the_allowed_ranges_load():
+    """mini_rollout_batch_size equal to rollout_batch_size (512), val_batch_size -1 (the whole set), one response a
+    prompt for estimators without groups."""
+    assert load_config(None, ["data.mini_rollout_batch_size=512"]).data.mini_rollout_batch_size == 512
+    assert load_config(None, ["data.val_batch_size=-1"]).data.val_batch_size == -1
+    for estimator in ("reinforce_plus_plus", "remax"):
+        load_config(None, [f"algorithm.adv_estimator={estimator}", "worker.rollout.n=1"])
+
+
+@pytest.mark.parametrize("estimator", ["grpo_passk", "rloo", "reinforce_plus_plus_baseline"])
+def test_every_group_estimator_needs_two_responses_a_prompt(estimator):
+    """grpo_passk, rloo and reinforce_plus_plus_baseline compare a response with its group, as grpo: n=1 fails at
+    load, not at the first step's advantages after the models load and generate."""
+    with pytest.raises(ConfigError, match=re.escape(f"adv_estimator={estimator} needs groups: worker.rollout.n=1 < 2")):
+        load_config(None, [f"algorithm.adv_estimator={estimator}", "worker.rollout.n=1"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["worker.rollout.top_k=-2"], "worker.rollout.n=5 (>= 1), temperature=1.0 (>= 0), top_p=1.0 (in (0, 1]), top_k=-2"),
+    (["worker.rollout.val_override_config={top_k: -2}"], "val_override_config.n=5 (>= 1), temperature=1.0 (>= 0), "
+                                                          "top_p=1.0 (in (0, 1]), top_k=-2 (-1 or 0: off)"),
+    (["worker.rollout.val_override_config={n: true}"], "val_override_config.n=True (>= 1)"),  # a bool is no count
+    (["worker.rollout.val_override_config={temperature: true}"], "temperature=True (>= 0)"),
+    (["algorithm.gamma=0.99"], "algorithm.gamma must be 1.0"),
+    (["worker.actor.ulysses_size=0"], "worker.actor.ulysses_size=0, padding_free=True: only 1 and true are supported"),
+    # 4 workers: 2 prompts x 5 = 10 responses an optimizer step do not split, though 4 x 5 = 20 a step would
+    (["trainer.n_gpus_per_node=4", "worker.actor.global_batch_size=2", "data.rollout_batch_size=4"],
+     "worker.actor.global_batch_size x worker.rollout.n = 10 must be divisible by the 4 workers"),
+])
+def test_more_values_that_cannot_train_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("override", ["algorithm.kl_penalty=kl", "algorithm.kl_penalty=abs", "algorithm.kl_penalty=mse",
+                                      "algorithm.kl_penalty=low_var_kl", "trainer.device=cpu", "trainer.device=cuda",
+                                      "worker.actor.optim.strategy=adamw_bf16"])
+def test_every_documented_choice_of_a_literal_key_loads(override):
+    """The KL estimators EasyR1 documents (kl, abs, mse, low_var_kl), the devices and the optimizers all load."""
+    key, _, value = override.partition("=")
+    assert _flat(config.config_to_dict(load_config(None, [override])))[key] == value
+
+
+@pytest.mark.parametrize("override, message", [
+    ("worker.rollout.top_k=2.5", "worker.rollout.top_k=2.5 (command line): expected int"),
+    ("data.mini_rollout_batch_size=abc", "data.mini_rollout_batch_size='abc' (command line): expected int or null"),
+    ("worker.reward.call_timeout=abc", "worker.reward.call_timeout='abc' (command line): expected float or null"),
+    ("trainer.device=gpu", "trainer.device='gpu' is not one of ['auto', 'cpu', 'cuda'] (command line)"),
+    ("worker.rollout.n", "override 'worker.rollout.n' is not of the form a.b.c=value"),  # no `=`
+])
+def test_bad_values_of_optional_and_literal_keys_say_what_is_expected(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + "$"):
+        load_config(None, [override])
+
+
+def test_a_list_key_takes_one_value_or_a_bracketed_list():
+    """`trainer.logger=console` is the list [console]; a value in brackets is not wrapped again."""
+    assert load_config(None, ["trainer.logger=console"]).trainer.logger == ["console"]
+    assert load_config(None, ["worker.actor.optim.betas=[0.8, 0.9]"]).worker.actor.optim.betas == [0.8, 0.9]
+
+
+def test_a_file_with_a_list_or_a_value_for_a_section_names_the_file(tmp_path):
+    top, section = tmp_path / "top.yaml", tmp_path / "section.yaml"
+    top.write_text("- data\n- trainer\n")
+    section.write_text("worker:\n  rollout: 5\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{top}: expected a mapping of sections at the top level")):
+        load_config(str(top))
+    with pytest.raises(ConfigError, match=re.escape(f"{section}: ")):
+        load_config(str(section))
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("worker.rolout.n=3", " did you mean worker.rollout.n?"),  # a typo in a section's name
+    ("fsdp_siz=2", " did you mean worker.actor.fsdp.fsdp_size?"),  # by its last part: the actor's, the first key
+    ("zzzz=1", ""), ("xq=1", ""), ("foo=1", ""),  # nothing is close: no suggestion (not data.format_prompt)
+])
+def test_unknown_key_hints_for_a_section_typo_a_bare_name_and_none_for_noise(override, hint):
+    with pytest.raises(ConfigError, match=re.escape(f"(command line).{hint}") + "$"):
+        load_config(None, [override])
+
+
+def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_configs(tmp_path, monkeypatch):
+    """`toy.yaml` in the working directory is that file, not configs/toy.yaml; a missing one falls back there."""
+    (tmp_path / "toy.yaml").write_text("trainer:\n  experiment_name: from_the_working_directory\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("toy.yaml").trainer.experiment_name == "from_the_working_directory"
+    assert load_config("toy").trainer.experiment_name != "from_the_working_directory"
