@@ -1,16 +1,19 @@
 """merge.py at the edges: a save cut short, an --output that is a file or symlink, a stale <output>.partial, a
-malformed adapter_config.json, and --force replacing an output with no moment where neither old nor new exists.
-(tests/test_merge.py holds the round trips and the helpers that build checkpoints.)"""
+malformed adapter_config.json, --force replacing an output with no moment where neither old nor new exists; LoRA
+merged in fp32 and written in the stored dtype, embedding adapters, dtype names, the index file, the checks of
+tensors, plans, shards and sizes. (tests/test_merge.py holds the round trips and the helpers that build
+checkpoints.)"""
 
 import json
 import os
 import shutil
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 import merge
-from test_merge import copy_ckpt, text_checkpoint, write_hf_dir
+from test_merge import copy_ckpt, safetensors_keys, text_checkpoint, write_hf_dir
 
 
 def test_unfinished_save_is_an_error_naming_what_is_missing(toy, tmp_path):
@@ -119,3 +122,211 @@ def test_force_keeps_the_old_output_until_the_new_one_is_in_place(toy, tmp_path,
     monkeypatch.setattr(os, "replace", replace)
     merge.merge_checkpoint(str(actor), output=str(out), force=True)
     assert sorted(os.listdir(tmp_path)) == ["actor", "out"] and "old.txt" not in os.listdir(out)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA, dtypes, checks
+# (values worked out in each test: a merged W is computed here with plain torch)
+
+def lora_text_checkpoint(toy, actor, dtype=torch.float32, targets=("q_proj", "v_proj"), **lora_kwargs):
+    """An actor dir of the toy text model with a LoRA adapter (r=4, alpha=8, B nonzero), stored in `dtype`
+    -> the checkpoint's state dict (peft's names)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(toy["text_model"])),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), **lora_kwargs))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.copy_(torch.randn(p.shape) * 0.3)
+    model.to(dtype)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    dcp.save(state, checkpoint_id=str(actor / "model"), no_dist=True)
+    write_hf_dir(toy["text_model"], str(actor / "huggingface"), model.peft_config["default"])
+    return state
+
+
+def st_tensors(folder):
+    """{name: tensor} over every .safetensors file in `folder`, and the set of their metadata dicts."""
+    from safetensors import safe_open
+
+    tensors, metadata = {}, []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+                metadata.append(f.metadata())
+    return tensors, metadata
+
+
+def test_bf16_lora_merges_in_fp32_and_is_written_in_bf16(toy, tmp_path):
+    """--merge_lora of a bf16 checkpoint: every adapted W is (W.float() + alpha/r * B.float() @ A.float()).bfloat16(),
+    computed here by hand; everything else is written unchanged, in bf16, with safetensors' {"format": "pt"}."""
+    state = lora_text_checkpoint(toy, tmp_path / "actor", dtype=torch.bfloat16)
+    out = merge.merge_checkpoint(str(tmp_path / "actor"), merge_lora=True)
+    written, metadata = st_tensors(out)
+    assert metadata == [{"format": "pt"}] and json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    expected = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        module = key.removesuffix(".base_layer.weight")
+        if key.endswith(".base_layer.weight"):
+            a, b = state[f"{module}.lora_A.default.weight"].float(), state[f"{module}.lora_B.default.weight"].float()
+            value = (value.float() + 2.0 * (b @ a)).to(torch.bfloat16)
+        expected[name] = value
+    assert len([k for k in state if k.endswith(".base_layer.weight")]) == 4
+    assert written.keys() == expected.keys() and all(v.dtype == torch.bfloat16 for v in written.values())
+    assert all(torch.equal(written[k], expected[k]) for k in expected)
+
+
+def test_adapter_keys_of_an_embedding_lora_and_its_dtype(toy, tmp_path):
+    """The adapter folder names every LoRA tensor as peft saves it: the adapter name dropped, also from
+    lora_embedding_A/B (no ".weight"); --dtype bf16 casts them; the shard carries {"format": "pt"}."""
+    state = lora_text_checkpoint(toy, tmp_path / "actor", targets=("q_proj", "embed_tokens"))
+    out = merge.merge_checkpoint(str(tmp_path / "actor"), dtype="bf16")
+    written, metadata = st_tensors(out)
+    expected = {k.replace(".default", ""): v for k, v in state.items() if ".lora_" in k}
+    assert "base_model.model.model.embed_tokens.lora_embedding_A" in expected and metadata == [{"format": "pt"}]
+    assert written.keys() == expected.keys()
+    assert all(written[k].dtype == torch.bfloat16 and torch.equal(written[k], expected[k].bfloat16()) for k in expected)
+
+
+def test_dtype_names_are_case_insensitive_and_accept_torch_dtypes(toy, tmp_path):
+    """--dtype BF16 and dtype=torch.float16 are accepted like bf16 and fp16; fp32 writes float32."""
+    model = text_checkpoint(toy, tmp_path / "actor", stored=torch.bfloat16)
+    for dtype, expected in (("BF16", torch.bfloat16), (torch.float16, torch.float16), ("fp32", torch.float32)):
+        out = merge.merge_checkpoint(str(tmp_path / "actor"), output=str(tmp_path / str(expected)), dtype=dtype)
+        assert json.load(open(os.path.join(out, "config.json")))["dtype"] == str(expected).removeprefix("torch.")
+        written, _ = st_tensors(out)
+        assert all(written[k].dtype == expected and torch.equal(written[k], v.to(expected))
+                   for k, v in model.state_dict().items())
+
+
+def test_weight_files_in_huggingface_are_never_copied(toy, tmp_path):
+    """Stale weights in huggingface/ (a base model's, a .bin) never reach the output, sharded or not."""
+    text_checkpoint(toy, tmp_path / "actor")
+    hf = tmp_path / "actor" / "huggingface"
+    for name in ("model.safetensors", "model-00001-of-00009.safetensors", "model.safetensors.index.json",
+                 "pytorch_model.bin", "stale.pt", "old.pth"):
+        (hf / name).write_text("stale")
+    whole = merge.merge_checkpoint(str(tmp_path / "actor"))
+    assert sorted(f for f in os.listdir(whole) if "model" in f or f.endswith((".pt", ".pth"))) == ["model.safetensors"]
+    sharded = merge.merge_checkpoint(str(tmp_path / "actor"), output=str(tmp_path / "sharded"), max_shard_size="30KB")
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    files = sorted(f for f in os.listdir(sharded) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    assert files == sorted(set(index["weight_map"].values())) and "model-00001-of-00009.safetensors" not in files
+
+
+def test_vl_index_names_the_saved_keys_and_one_file_has_no_index(toy, tmp_path):
+    """A sharded VL output: the index maps exactly the names written in the shards (model.language_model.* renamed
+    as save_pretrained renames them), each to the file holding it; an unsharded output has no index."""
+    from transformers import AutoModelForImageTextToText
+
+    actor = tmp_path / "actor"
+    model = AutoModelForImageTextToText.from_pretrained(toy["vl_model"], dtype=torch.float32)
+    dcp.save(model.state_dict(), checkpoint_id=str(actor / "model"), no_dist=True)
+    write_hf_dir(toy["vl_model"], str(actor / "huggingface"))
+    out = merge.merge_checkpoint(str(actor), max_shard_size="40KB")
+    weight_map = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
+    assert weight_map.keys() == safetensors_keys(toy["vl_model"]) and len(set(weight_map.values())) > 2
+    from safetensors import safe_open
+    for file in set(weight_map.values()):
+        with safe_open(os.path.join(out, file), "pt") as f:
+            assert set(f.keys()) == {k for k, v in weight_map.items() if v == file}
+    one = merge.merge_checkpoint(str(actor), output=str(tmp_path / "one"))
+    assert sorted(f for f in os.listdir(one) if f.startswith("model")) == ["model.safetensors"]
+
+
+def test_missing_or_unexpected_tensors_are_each_an_error(toy, tmp_path):
+    """A checkpoint lacking one tensor, or holding one the model does not have: a MergeError naming it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(toy["text_model"])).state_dict()
+    for kind, changed in (("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}),
+                          ("unexpected", {**state, "model.extra.weight": torch.zeros(3)})):
+        actor = tmp_path / kind / "actor"
+        dcp.save(changed, checkpoint_id=str(actor / "model"), no_dist=True)
+        write_hf_dir(toy["text_model"], str(actor / "huggingface"))
+        name = "model.norm.weight" if kind == "missing" else "model.extra.weight"
+        with pytest.raises(merge.MergeError, match=rf"{kind} tensors \['{name}'\] \(1\)"):
+            merge.merge_checkpoint(str(actor))
+        assert sorted(os.listdir(actor)) == ["huggingface", "model"]
+
+
+def test_an_interrupt_while_writing_leaves_no_partial(toy, tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt, not an Exception) during the write removes <output>.partial."""
+    text_checkpoint(toy, tmp_path / "actor")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merge, "write_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        merge.merge_checkpoint(str(tmp_path / "actor"), output=str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["actor"]
+
+
+def test_lora_plan_refuses_what_it_cannot_merge(tmp_path):
+    """A peft tensor other than lora_A/B (DoRA's magnitude), an A without its B, two adapters: each a MergeError;
+    fan_in_fan_out from the config reaches the plan."""
+    prefix = "base_model.model.model.layers.0.mlp.up_proj"
+    base = {f"{prefix}.base_layer.weight": torch.zeros(6, 5), f"{prefix}.lora_A.default.weight": torch.zeros(4, 5),
+            f"{prefix}.lora_B.default.weight": torch.zeros(6, 4)}
+    cases = (({f"{prefix}.lora_magnitude_vector.default.weight": torch.zeros(6)}, "cannot merge the peft tensor"),
+             ({f"{prefix}.lora_B.default.weight": None}, r"has no 2-d .*lora_A.default.weight / .*lora_B"),
+             ({f"{prefix}.lora_A.other.weight": torch.zeros(4, 5)}, r"one adapter .*, found \['default', 'other'\]"))
+    for i, (change, error) in enumerate(cases):
+        state = {k: v for k, v in {**base, **change}.items() if v is not None}
+        dcp.save(state, checkpoint_id=str(tmp_path / str(i)), no_dist=True)
+        with pytest.raises(merge.MergeError, match=error):
+            merge.lora_plan(merge.read_metadata(str(tmp_path / str(i))), {"lora_alpha": 8})
+    dcp.save(base, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    plan = merge.lora_plan(merge.read_metadata(str(tmp_path / "ok")), {"lora_alpha": 8, "fan_in_fan_out": True})
+    assert plan["model.layers.0.mlp.up_proj.weight"][1][2:] == (2.0, True)
+
+
+def test_alpha_pattern_or_modules_to_save_is_refused(toy, tmp_path):
+    """adapter_config.json with alpha_pattern or modules_to_save: merge.py would merge them wrongly, so an error."""
+    text_checkpoint(toy, tmp_path / "actor")
+    path = tmp_path / "actor" / "huggingface" / "adapter_config.json"
+    for extra in ({"alpha_pattern": {"q_proj": 16}}, {"modules_to_save": ["lm_head"]}):
+        path.write_text(json.dumps({"r": 4, "lora_alpha": 8, **extra}))
+        for merge_lora in (False, True):
+            with pytest.raises(merge.MergeError, match="handles plain LoRA only"):
+                merge.merge_checkpoint(str(tmp_path / "actor"), merge_lora=merge_lora)
+
+
+def test_multi_digit_step_and_a_sibling_output_named_like_a_prefix(toy, tmp_path):
+    """global_step_12/ without trainer_state.json is unfinished too; --output <dir>/act next to <dir>/actor (a
+    prefix of its name, not a folder above it) is allowed."""
+    actor = tmp_path / "run" / "global_step_12" / "actor"
+    text_checkpoint(toy, actor)
+    with pytest.raises(merge.MergeError, match="global_step_12 has no trainer_state.json"):
+        merge.merge_checkpoint(str(actor))
+    (actor.parent / "trainer_state.json").write_text("{}")
+    assert merge.merge_checkpoint(str(actor), output=str(actor.parent / "act")) == str(actor.parent / "act")
+
+
+def test_a_distcp_cut_by_one_byte_and_non_tensor_entries_are_errors(toy, tmp_path):
+    """A .distcp one byte short of what .metadata needs is truncated; a checkpoint of more than tensors is refused."""
+    text_checkpoint(toy, tmp_path / "actor")
+    path = tmp_path / "actor" / "model" / "__0_0.distcp"
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1)
+    with pytest.raises(merge.MergeError, match="__0_0.distcp is truncated"):
+        merge.merge_checkpoint(str(tmp_path / "actor"))
+    dcp.save({"w": torch.zeros(2), "step": 3}, checkpoint_id=str(tmp_path / "mixed"), no_dist=True)
+    with pytest.raises(merge.MergeError, match=r"non-tensor entries \['step'\]"):
+        merge.read_metadata(str(tmp_path / "mixed"))
+
+
+def test_cast_and_size_units_by_hand():
+    """cast leaves integer tensors alone; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024."""
+    ints = torch.arange(3)
+    assert merge.cast(ints, torch.bfloat16).dtype == torch.int64
+    assert merge.cast(ints, torch.float16).tolist() == [0, 1, 2]
+    sizes = {"3B": 3, "1KB": 1000, "1KiB": 1024, "2MB": 2 * 10**6, "2MiB": 2 * 2**20, "1GiB": 2**30, "1 kib": 1024}
+    assert {size: merge.parse_size(size) for size in sizes} == sizes
