@@ -478,12 +478,12 @@ def test_bad_inputs_fail_with_clear_errors(toy, world):
         with pytest.raises(ImportError, match="requirements-gpu.txt"):
             rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=8, max_response_length=8,
                                  device="cpu")
-    engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4,
-                                  device="cpu")
+    engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4, device="cpu")
     with pytest.raises(KeyError, match="prompt 0 lacks"):
         engine.generate([{"uid": "x"}], n=1)
-    with pytest.raises(ValueError, match=re.escape("top_p=0.0 (in (0, 1])")):  # the message lists every setting
-        engine.generate(world.prompts, n=1, top_p=0.0)
+    for key, value, bound in (("top_p", 0.0, "(in (0, 1])"), ("temperature", -0.5, "(>= 0)")):  # every setting listed
+        with pytest.raises(ValueError, match=re.escape(f"{key}={value} {bound}")):
+            engine.generate(world.prompts, n=1, **{key: value})
     assert len(engine.generate(world.prompts, n=1, top_p=0.5)) == 3  # the same call in range: top_p was the cause
     no_positions = {k: v for k, v in world.prompts[0].items() if k != "position_ids"}
     with pytest.raises(ValueError, match="position_ids"):
