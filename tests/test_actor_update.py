@@ -390,3 +390,168 @@ def test_pack_samples_rejects_image_samples_it_would_pack_wrong():
     assert batch["position_ids"][:, 0].tolist() == [list(range(7))] + [row + [4] for row in mrope.tolist()]
     with pytest.raises(ValueError, match="sample 0: .*text model"):
         pack_samples([sample], False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer set-up, the metrics over steps and epochs, the default budget, dtypes and RNG (by hand)
+# ----------------------------------------------------------------------------------------------
+
+def on_policy_copy(actor, samples, **extra):
+    """Copies of the samples with old log-probs = this actor's own (every ratio 1), plus `extra` keys."""
+    fresh = [dict(s, **extra) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s["old_logprobs"] = logp
+    return fresh
+
+
+def test_two_adamw_steps_by_hand_decay_only_matrices(toy, samples):
+    """Two optimizer steps (2 mini-batches), weight decay 10 (lr x wd = 1%: above the tolerance), betas (0.8, 0.99):
+    every trainable parameter ends where plain AdamW arithmetic on the applied gradients puts it; 1-D: no decay."""
+    actor = make_actor(make_cfg(toy["vl_model"], global_batch_size=1, **{"optim.weight_decay": 10.0,
+                                                                          "optim.betas": [0.8, 0.99]}))
+    spy = Spy()
+    spy.watch(actor)
+    before = {n: p.detach().clone() for n, p in actor.module.named_parameters() if p.requires_grad}
+    actor.update([dict(s) for s in samples])
+    assert len(spy.grads) == 2
+    (b1, b2), eps, wd = (0.8, 0.99), 1e-8, 10.0
+    after = dict(actor.module.named_parameters())
+    assert any(p.ndim < 2 for p in before.values()) and any(p.ndim >= 2 for p in before.values())
+    for name, p in before.items():
+        p, m, v = p.clone(), torch.zeros_like(p), torch.zeros_like(p)
+        for t, grads in enumerate(spy.grads, start=1):
+            g = grads[name]
+            p = p * (1 - LR * (wd if p.ndim >= 2 else 0.0))
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            p = p - LR * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        torch.testing.assert_close(after[name].detach(), p, rtol=0, atol=WEIGHT_ATOL, msg=lambda s: f"{name}: {s}")
+
+
+def test_two_ppo_epochs_average_losses_over_steps_and_count_tokens_once(toy, samples):
+    """lr 0, so the second epoch is on policy too: actor/pg_loss is the one-epoch value -sum_i A_i L_i / sum_i L_i
+    (not twice it), actor/tokens is sum_i L_i per epoch, and the one mini-batch gives two optimizer steps."""
+    actor = make_actor(make_cfg(toy["vl_model"], ppo_epochs=2, **{"optim.lr": 0.0}))
+    fresh = on_policy_copy(actor, samples)
+    metrics = actor.update(fresh)
+    lengths = [len(s["response_ids"]) for s in fresh]
+    expected = -sum(s["advantage"] * n for s, n in zip(fresh, lengths)) / sum(lengths)
+    assert math.isclose(metrics["actor/pg_loss"], expected, rel_tol=1e-5), (metrics["actor/pg_loss"], expected)
+    assert metrics["actor/tokens"] == sum(lengths) and actor.optimizer_steps == 2
+    assert metrics["actor/ppo_kl"] == 0.0
+
+
+def test_grad_norm_is_the_mean_of_the_finite_step_norms(toy, samples):
+    """Two optimizer steps: actor/grad_norm is the mean of the two applied gradients' global 2-norms (no clipping);
+    with the first step's gradient made NaN it is the second step's norm alone, and one step is skipped."""
+    def norm(grads):
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+
+    for poison_first in (False, True):
+        spy = Spy()
+        actor = spy.watch(make_actor(make_cfg(toy["vl_model"], global_batch_size=1)))
+        calls = []
+        victim = dict(actor.module.named_parameters())["model.language_model.layers.0.mlp.up_proj.weight"]
+        victim.register_hook(lambda g: (calls.append(1), g * float("nan") if poison_first and len(calls) == 1
+                                        else g)[1])
+        metrics = actor.update([dict(s) for s in samples])
+        norms = [norm(g) for g in spy.grads]
+        assert len(calls) == 2 and len(norms) == (1 if poison_first else 2)
+        assert metrics["actor/skipped_steps"] == (1.0 if poison_first else 0.0)
+        assert math.isclose(metrics["actor/grad_norm"], sum(norms) / len(norms), rel_tol=1e-5), (metrics, norms)
+        if not poison_first:
+            assert abs(norms[0] - norms[1]) > 1e-3 * norms[0]  # the mean differs from either step's norm
+
+
+def test_entropy_and_rollout_metrics_without_tis_cap(toy, samples):
+    """On policy, actor/entropy is the token mean of compute_log_probs' entropies; rollout log-probs on every sample
+    give actor/rollout_logp_abs_diff (here 0.5) without tis_cap, and none when one sample lacks them."""
+    actor = make_actor(make_cfg(toy["vl_model"]))
+    fresh = [dict(s) for s in samples]
+    logps, entropies = actor.compute_log_probs(fresh, with_entropy=True)
+    for s, logp in zip(fresh, logps):
+        s.update(old_logprobs=logp, rollout_logprobs=logp - 0.5)
+    expected = sum(e.sum().item() for e in entropies) / sum(len(e) for e in entropies)
+    assert [len(e) for e in entropies] == [len(s["response_ids"]) for s in fresh] and expected > 0
+    metrics = actor.update(fresh)
+    assert math.isclose(metrics["actor/entropy"], expected, rel_tol=1e-5), (metrics["actor/entropy"], expected)
+    assert math.isclose(metrics["actor/rollout_logp_abs_diff"], 0.5, rel_tol=1e-5)
+    del fresh[1]["rollout_logprobs"]
+    assert "actor/rollout_logp_abs_diff" not in actor.update(fresh)
+
+
+def test_default_token_budget_is_micro_batch_size_times_prompt_plus_response(toy):
+    """No max_tokens_per_micro_batch, micro_batch_size_per_device_for_update 2: the budget is 2 x (64 + 8) = 144,
+    so four text samples of 70 tokens pack two by two, balanced: [[0, 2], [1, 3]] (136 tokens would need 4)."""
+    actor = make_actor(make_cfg(toy["text_model"], dynamic_batching=True, micro_batch_size_per_device_for_update=2))
+    four = [{"prompt_ids": [5] * 62, "response_ids": [6] * 8} for _ in range(4)]
+    assert actor._plan(four, "update") == [[0, 2], [1, 3]]
+
+
+def test_master_and_compute_dtypes_of_actor_and_reference(toy):
+    """torch_dtype null: the actor's master weights are fp32 and its passes compute in bf16 (log-probs off the fp32
+    ones by bf16 rounding); the reference stores bf16."""
+    cfg = make_cfg(toy["text_model"], **{"fsdp.torch_dtype": None, "fsdp.mp_param_dtype": "bf16"})
+    policy = make_actor(cfg)
+    assert {p.dtype for p in policy.module.parameters()} == {torch.float32} and policy.autocast
+    text = [{"prompt_ids": [11, 12, 13, 14], "response_ids": [20, 21, 22, 23, 24, 25]}]
+    fp32 = make_actor(make_cfg(toy["text_model"])).compute_log_probs(text)[0]
+    assert (policy.compute_log_probs(text)[0] - fp32).abs().max() > 1e-4
+    ref = actor_module.Actor(cfg, role="ref", device="cpu", max_prompt_length=MAX_PROMPT,
+                             max_response_length=MAX_RESPONSE)
+    assert {p.dtype for p in ref.module.parameters()} == {torch.bfloat16} and ref.optimizer is None
+
+
+def test_bf16_master_weights_with_plain_adamw_warn(toy, caplog):
+    """The warning about lost small steps comes for bf16 master weights with optim.strategy adamw only."""
+    import logging
+
+    for dtype, strategy, warned in (("bf16", "adamw", True), ("bf16", "adamw_bf16", False), ("fp32", "adamw", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="actor"):
+            make_actor(make_cfg(toy["text_model"], **{"fsdp.torch_dtype": dtype, "fsdp.mp_param_dtype": dtype,
+                                                      "optim.strategy": strategy}))
+        assert any("loses steps" in r.getMessage() for r in caplog.records) == warned, (dtype, strategy)
+
+
+def test_load_checkpoint_restores_step_count_and_rng(toy, tmp_path):
+    """After load_checkpoint the optimizer step count and the python and torch CPU RNG streams are those saved."""
+    import random
+
+    actor = make_actor(make_cfg(toy["text_model"]))
+    actor.optimizer_steps = 7
+    actor.save_checkpoint(str(tmp_path / "ckpt"))
+    expected = (random.random(), torch.rand(4))
+    actor.optimizer_steps = 99
+    random.seed(123)
+    torch.manual_seed(123)
+    actor.load_checkpoint(str(tmp_path / "ckpt"))
+    assert actor.optimizer_steps == 7
+    got = (random.random(), torch.rand(4))
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+
+
+def test_checkpoint_hf_files_carry_override_config_and_the_lora_adapter_config(toy, tmp_path):
+    """huggingface/ of a LoRA actor's checkpoint: config.json with model.override_config applied, the tokenizer,
+    and adapter_config.json with the LoRA rank and alpha; a plain save_hf_files writes no adapter config."""
+    import json
+
+    cfg = make_cfg(toy["text_model"], **{"model.lora.rank": 4, "model.lora.alpha": 8,
+                                         "model.override_config": {"max_position_embeddings": 4096}})
+    make_actor(cfg).save_checkpoint(str(tmp_path / "ckpt"), model_only=True)
+    hf = tmp_path / "ckpt" / "huggingface"
+    assert json.loads((hf / "config.json").read_text())["max_position_embeddings"] == 4096
+    adapter = json.loads((hf / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
+    assert (hf / "tokenizer_config.json").exists() and not (tmp_path / "ckpt" / "optim").exists()
+    actor_module.save_hf_files(cfg.model, str(tmp_path / "plain"))
+    assert not (tmp_path / "plain" / "adapter_config.json").exists()
+
+
+def test_old_log_probs_are_packed_by_mini_batch_as_in_the_update(toy, samples, monkeypatch):
+    """Dynamic batching with room for all 4 samples, mini-batches of 2: compute_log_probs packs each mini-batch as
+    the update does (not all 4 at once), so the first mini-batch's ratio is exactly 1 (packing 4 moves fp32 bits)."""
+    spy = Spy(monkeypatch)
+    actor = make_actor(make_cfg(toy["vl_model"], dynamic_batching=True, max_tokens_per_micro_batch=4096,
+                                global_batch_size=1))
+    actor.update(on_policy_copy(actor, samples))
+    assert len(spy.log_ratio_max) == 2 and spy.log_ratio_max[0] == 0.0, spy.log_ratio_max
