@@ -78,7 +78,7 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
         raise
     if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") loads it unchanged
         config = {**json.load(open(os.path.join(work, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
-        pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))  # closed here
+        pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if force and os.path.isdir(output):  # kept aside until the new output is in place: a crash in between loses nothing
         os.replace(output, os.path.join(partial, "old"))
     os.replace(work, output)  # without --force, an output made meanwhile by someone else is an error, never deleted
@@ -156,8 +156,8 @@ def write_adapter(model_dir, tensors, lora, out_dir, dtype):
     loaded = read_tensors(model_dir, tensors, keys)
     out = {re.sub(rf"\.{re.escape(adapter)}(\.weight)?$", r"\1", key): cast(loaded.pop(key), dtype) for key in keys}
     save_file(out, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    pathlib.Path(out_dir, "adapter_config.json").write_text(json.dumps({**lora, "inference_mode": True}, indent=2,
-                                                                      sort_keys=True))
+    adapter_config = json.dumps({**lora, "inference_mode": True}, indent=2, sort_keys=True)
+    pathlib.Path(out_dir, "adapter_config.json").write_text(adapter_config)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -100,6 +100,14 @@ def samples(toy):
     return samples
 
 
+def on_policy_copy(actor, samples):
+    """Copies of the samples with old log-probs = this actor's own (every ratio 1)."""
+    fresh = [dict(s) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s["old_logprobs"] = logp
+    return fresh
+
+
 class Spy:
     """Wraps actor.policy_loss (as actor.py calls it) to record max |logp - old_logp| per micro-batch, and an
     actor's optimizer.step to record the gradients it is about to apply (full tensors, by parameter name)."""
@@ -154,10 +162,7 @@ def test_first_update_is_on_policy(toy, samples, monkeypatch):
     spy = Spy(monkeypatch)
     cfg = make_cfg(toy["vl_model"], dynamic_batching=True, max_tokens_per_micro_batch=60)
     actor = make_actor(cfg)
-    fresh = [dict(s) for s in samples]
-    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
-        s["old_logprobs"] = logp
-    metrics = actor.update(fresh)
+    metrics = actor.update(on_policy_copy(actor, samples))
     assert len(spy.log_ratio_max) >= 2, "expected several micro-batches under a 60-token budget"
     assert spy.log_ratio_max == [0.0] * len(spy.log_ratio_max)
     assert metrics["actor/ppo_kl"] == 0.0
@@ -166,10 +171,7 @@ def test_first_update_is_on_policy(toy, samples, monkeypatch):
 
     spy.log_ratio_max.clear()
     actor = make_actor(make_cfg(toy["vl_model"], global_batch_size=1, micro_batch_size_per_device_for_update=1))
-    fresh = [dict(s) for s in samples]
-    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
-        s["old_logprobs"] = logp
-    metrics = actor.update(fresh)  # 2 mini-batches of 2 samples, 1 sample per micro-batch
+    metrics = actor.update(on_policy_copy(actor, samples))  # 2 mini-batches of 2 samples, 1 sample per micro-batch
     assert spy.log_ratio_max[:2] == [0.0, 0.0]
     assert min(spy.log_ratio_max[2:]) > 1e-5, spy.log_ratio_max
     assert metrics["actor/ppo_kl"] != 0.0
@@ -395,14 +397,6 @@ def test_pack_samples_rejects_image_samples_it_would_pack_wrong():
 # ----------------------------------------------------------------------------------------------
 # The optimizer set-up, the metrics over steps and epochs, the default budget, dtypes and RNG (by hand)
 # ----------------------------------------------------------------------------------------------
-
-def on_policy_copy(actor, samples, **extra):
-    """Copies of the samples with old log-probs = this actor's own (every ratio 1), plus `extra` keys."""
-    fresh = [dict(s, **extra) for s in samples]
-    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
-        s["old_logprobs"] = logp
-    return fresh
-
 
 def test_two_adamw_steps_by_hand_decay_only_matrices(toy, samples):
     """Two optimizer steps (2 mini-batches), weight decay 10 (lr x wd = 1%: above the tolerance), betas (0.8, 0.99):

@@ -163,15 +163,21 @@ def greedy(model, inputs):
         return model.generate(**inputs, do_sample=False, max_new_tokens=5, min_new_tokens=5)[0].tolist()
 
 
-def safetensors_keys(folder):
+def safetensors_contents(folder):
+    """{name: tensor} over every .safetensors file in `folder`, and the list of their metadata dicts."""
     from safetensors import safe_open
 
-    keys = set()
-    for name in os.listdir(folder):
+    tensors, metadata = {}, []
+    for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(folder, name), "pt") as f:
-                keys |= set(f.keys())
-    return keys
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+                metadata.append(f.metadata())
+    return tensors, metadata
+
+
+def safetensors_keys(folder):
+    return set(safetensors_contents(folder)[0])
 
 
 def assert_same_state(actual, expected, atol=0.0):

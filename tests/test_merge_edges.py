@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import merge
-from test_merge import copy_ckpt, safetensors_keys, text_checkpoint, write_hf_dir
+from test_merge import copy_ckpt, safetensors_contents, safetensors_keys, text_checkpoint, write_hf_dir
 
 
 def test_unfinished_save_is_an_error_naming_what_is_missing(toy, tmp_path):
@@ -147,25 +147,12 @@ def lora_text_checkpoint(toy, actor, dtype=torch.float32, targets=("q_proj", "v_
     return state
 
 
-def st_tensors(folder):
-    """{name: tensor} over every .safetensors file in `folder`, and the set of their metadata dicts."""
-    from safetensors import safe_open
-
-    tensors, metadata = {}, []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, name), "pt") as f:
-                tensors.update({k: f.get_tensor(k) for k in f.keys()})
-                metadata.append(f.metadata())
-    return tensors, metadata
-
-
 def test_bf16_lora_merges_in_fp32_and_is_written_in_bf16(toy, tmp_path):
     """--merge_lora of a bf16 checkpoint: every adapted W is (W.float() + alpha/r * B.float() @ A.float()).bfloat16(),
     computed here by hand; everything else is written unchanged, in bf16, with safetensors' {"format": "pt"}."""
     state = lora_text_checkpoint(toy, tmp_path / "actor", dtype=torch.bfloat16)
     out = merge.merge_checkpoint(str(tmp_path / "actor"), merge_lora=True)
-    written, metadata = st_tensors(out)
+    written, metadata = safetensors_contents(out)
     assert metadata == [{"format": "pt"}] and json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
     expected = {}
     for key, value in state.items():
@@ -187,7 +174,7 @@ def test_adapter_keys_of_an_embedding_lora_and_its_dtype(toy, tmp_path):
     lora_embedding_A/B (no ".weight"); --dtype bf16 casts them; the shard carries {"format": "pt"}."""
     state = lora_text_checkpoint(toy, tmp_path / "actor", targets=("q_proj", "embed_tokens"))
     out = merge.merge_checkpoint(str(tmp_path / "actor"), dtype="bf16")
-    written, metadata = st_tensors(out)
+    written, metadata = safetensors_contents(out)
     expected = {k.replace(".default", ""): v for k, v in state.items() if ".lora_" in k}
     assert "base_model.model.model.embed_tokens.lora_embedding_A" in expected and metadata == [{"format": "pt"}]
     assert written.keys() == expected.keys()
@@ -200,7 +187,7 @@ def test_dtype_names_are_case_insensitive_and_accept_torch_dtypes(toy, tmp_path)
     for dtype, expected in (("BF16", torch.bfloat16), (torch.float16, torch.float16), ("fp32", torch.float32)):
         out = merge.merge_checkpoint(str(tmp_path / "actor"), output=str(tmp_path / str(expected)), dtype=dtype)
         assert json.load(open(os.path.join(out, "config.json")))["dtype"] == str(expected).removeprefix("torch.")
-        written, _ = st_tensors(out)
+        written, _ = safetensors_contents(out)
         assert all(written[k].dtype == expected and torch.equal(written[k], v.to(expected))
                    for k, v in model.state_dict().items())
 
