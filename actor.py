@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 
-from modeling import (DTYPES, AdamWBF16, batch_flops, build_model, count_flops_params, dummy_vision_input,
-                      HostCopy, full_tensor, micro_batches_needed, pack_samples, partition_balanced,
+from modeling import (DTYPES, AdamWBF16, HostCopy, apply_overrides, batch_flops, build_model, count_flops_params,
+                      dummy_vision_input, full_tensor, micro_batches_needed, pack_samples, partition_balanced,
                       peak_tflops, shared_image_units, to_device)
 
 logger = logging.getLogger(__name__)
@@ -608,8 +608,9 @@ def save_hf_files(model_cfg, path, peft_model=None):
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer, GenerationConfig
 
     source = model_cfg.tokenizer_path or model_cfg.model_path
-    AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
-                               **(model_cfg.override_config or {})).save_pretrained(path)
+    config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
+    apply_overrides(config, model_cfg.override_config)
+    config.save_pretrained(path)
     try:
         GenerationConfig.from_pretrained(model_cfg.model_path).save_pretrained(path)
     except OSError:

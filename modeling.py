@@ -51,8 +51,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     rank0_init = sharded and dist.get_world_size() > 1 and cfg.fsdp.enable_rank0_init
     model_cfg = cfg.model
     AttentionInterface.register(ATTENTION, packed_attention)
-    config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
-                                        **(model_cfg.override_config or {}))
+    config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
+    apply_overrides(config, model_cfg.override_config)
     is_vl = getattr(config, "vision_config", None) is not None
     auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
     weights_dtype = compute_dtype if lora_rank else master_dtype
@@ -104,6 +104,28 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         broadcast_buffers(hf, device)
     register_fsdp_forward_method(hf, "packed_forward")  # the root's parameters are gathered around it
     return hf, module, config
+
+
+def apply_overrides(config, overrides, where="worker.actor.model.override_config"):
+    """Set model.override_config on a loaded transformers config, in place; -> the values set, nested as the config
+    is (vLLM's hf_overrides). A key goes to the config, else to its text config, where transformers 5 keeps a VL
+    model's language keys (AutoConfig's kwargs drop those silently); a dict merges into a sub-config or a dict
+    value. A key that neither has is a ValueError naming it: a typo would otherwise change nothing."""
+    text, changes = config.get_text_config(), {}
+    text_key = next((k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None) is text), None)
+    for key, value in (overrides or {}).items():
+        on_text = not hasattr(config, key) and text_key is not None and hasattr(text, key)
+        target, out = (text, changes.setdefault(text_key, {})) if on_text else (config, changes)
+        if not hasattr(target, key):
+            raise ValueError(f"{where}.{key}: no such key in {type(config).__name__}"
+                             f"{f' or its {text_key}' if text_key else ''} (the model's config.json)")
+        current = getattr(target, key)
+        if isinstance(current, PreTrainedConfig) and isinstance(value, dict):
+            out.setdefault(key, {}).update(apply_overrides(current, value, f"{where}.{key}"))
+        else:
+            out[key] = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+            setattr(target, key, out[key])
+    return changes
 
 
 def shard_model(hf, device, fsdp_cfg, compute_dtype):

@@ -6,8 +6,9 @@
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=..., seed=seed)  # seed: per round, rank
     engine.sleep()                                             # give the memory back to the actor
 
-Reads worker.rollout (RolloutConfig) and two attributes the trainer adds to it: limit_videos (the most videos in
-one row of the data) and trust_remote_code (the model's). Validation passes sampling_settings(cfg, val_override_config).
+Reads worker.rollout (RolloutConfig) and three attributes the trainer adds to it: limit_videos (the most videos in
+one row of the data), and the model's trust_remote_code and override_config. Validation passes
+sampling_settings(cfg, val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
@@ -39,7 +40,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache,
                           GenerationConfig)
 
-from modeling import DTYPES
+from modeling import DTYPES, apply_overrides
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -82,10 +83,10 @@ class HFRollout:
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=64):
         remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
-        config, self.eos_ids, self.banned_ids, self.pad_id = _load_config(model_path, tokenizer_path, remote)
+        config, _, self.eos_ids, self.banned_ids, self.pad_id = _load_config(cfg, model_path, tokenizer_path)
         is_vl = getattr(config, "vision_config", None) is not None
         model_class = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
-        self.model = model_class.from_pretrained(model_path, dtype=DTYPES[cfg.dtype],
+        self.model = model_class.from_pretrained(model_path, config=config, dtype=DTYPES[cfg.dtype],
                                                  trust_remote_code=remote).to(device).eval().requires_grad_(False)
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
         self.ignore_eos, self.position_rows = cfg.ignore_eos, 4 if is_vl else 1  # rows: text + 3 mrope for Qwen-VL
@@ -227,7 +228,7 @@ class VLLMRollout:
                  batch_size=None):
         self.cfg, self.max_response_length = cfg, max_response_length
         remote = getattr(cfg, "trust_remote_code", False)
-        config, self.eos_ids, self.banned_ids, _ = _load_config(model_path, tokenizer_path, remote)
+        config, overrides, self.eos_ids, self.banned_ids, _ = _load_config(cfg, model_path, tokenizer_path)
         max_model_len, text = cfg.max_model_len or max_prompt_length + max_response_length, config.get_text_config()
         context = getattr(text, "max_position_embeddings", 0)  # with rope scaling vLLM allows more: its own check
         if 0 < context < max_model_len and "factor" not in (getattr(text, "rope_parameters", None) or {}) \
@@ -256,7 +257,7 @@ class VLLMRollout:
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
             seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
             logprobs_mode="processed_logprobs", trust_remote_code=remote,  # log-probs after bias, temperature, top-k/p
-            **extra)
+            hf_overrides=overrides, **extra)
         self.llm.sleep(level=1)
         self.asleep, self.synced = {"weights", "kv_cache"}, False
 
@@ -355,9 +356,12 @@ def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
             "logprobs": list(logprobs[:end]), "finish_reason": "length" if end is None else "stop"}
 
 
-def _load_config(model_path, tokenizer_path, trust_remote_code=False):
-    """(the model's config, EOS ids of the generation config, placeholder ids to ban, pad id)."""
+def _load_config(cfg, model_path, tokenizer_path):
+    """(the model's config with cfg.override_config, the values it set (apply_overrides), EOS ids of the generation
+    config, placeholder ids to ban, pad id)."""
+    trust_remote_code = getattr(cfg, "trust_remote_code", False)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    overrides = apply_overrides(config, getattr(cfg, "override_config", None))
     try:  # the model's own generation config (vLLM and the saved checkpoints read it), else the tokenizer folder's
         try:
             generation = GenerationConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -373,7 +377,7 @@ def _load_config(model_path, tokenizer_path, trust_remote_code=False):
     if not eos:
         raise ValueError(f"no EOS token id in the generation config or tokenizer at {tokenizer_path}")
     banned = [getattr(config, key, None) for key in ("image_token_id", "video_token_id")]
-    return config, eos, [t for t in banned if t is not None], eos[0] if pad is None else pad
+    return config, overrides, eos, [t for t in banned if t is not None], eos[0] if pad is None else pad
 
 
 def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):

@@ -21,6 +21,7 @@ import time
 import torch
 import yaml
 from tqdm import tqdm
+from transformers import AutoConfig
 
 import actor
 import advantage
@@ -28,6 +29,7 @@ import data
 import reward
 import rollout
 from config import ConfigError, config_to_dict, load_config
+from modeling import apply_overrides
 from workers import WorkerGroup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,11 +42,17 @@ class Run:
     def __init__(self, cfg):
         self.cfg, t, d, a = cfg, cfg.trainer, cfg.data, cfg.algorithm
         _ensure_toy_world(cfg)
+        model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
+        try:  # override_config's keys, checked against the model's config now, not in each worker's setup
+            if model.override_config:
+                apply_overrides(AutoConfig.from_pretrained(model.model_path, trust_remote_code=remote),
+                                model.override_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
         os.makedirs(self.ckpt_root, exist_ok=True)
         checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
-        model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)
         batch = d.mini_rollout_batch_size or d.rollout_batch_size  # prompts a generation round

@@ -46,7 +46,7 @@ class Worker:
         needs_ref = not alg.disable_kl and a.model.lora.rank == 0  # LoRA: the policy, its adapter off
         self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref else None
         r = copy.copy(r)
-        r.trust_remote_code = a.model.trust_remote_code  # the model's setting, handed to vLLM
+        r.trust_remote_code, r.override_config = a.model.trust_remote_code, a.model.override_config  # the model's
         self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
                                             max_response_length=d.max_response_length, device=device,
                                             tokenizer_path=a.model.tokenizer_path)

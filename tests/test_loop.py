@@ -113,6 +113,15 @@ def test_mlflow_and_swanlab_loggers_log_every_step(tmp_path, monkeypatch):
     assert calls[4][2] == ({"reward/overall": 0.5},) and calls[4][3] == {"step": 3}
 
 
+def test_a_key_the_models_config_lacks_in_override_config_stops_the_run_before_any_file(tmp_path, toy):
+    """transformers drops such a key without a word; the run stops at start-up, naming it, before Ray or a file."""
+    with pytest.raises(ConfigError, match=r"worker\.actor\.model\.override_config\.rms_norm_epz: no such key in "
+                                          r"Qwen2_5_VLConfig or its text_config"):
+        make_run(tmp_path / "run", f"worker.actor.model.model_path={toy['vl_model']}",
+                 "worker.actor.model.override_config.rms_norm_epz=0.1")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name", ["mlflow", "swanlab", "wandb", "tensorboard"])
 def test_missing_logger_package_is_a_one_line_error_before_anything_is_written(tmp_path, monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)  # find_spec then says: not installed

@@ -1,7 +1,7 @@
 """modeling.py's plumbing checked against hand-worked values and plain reference implementations: the edge cases of
 micro-batch balancing, grouping of samples that share images or videos, the image / video order of a packed row,
 the response head in bf16 and on no tokens, the packed attention's boundaries, causality and scale, the vision
-output helpers, a hand-worked AdamWBF16 step and the FLOP counts. CPU only, no model needed."""
+output helpers, a hand-worked AdamWBF16 step, the FLOP counts and override_config on the toy models. CPU only."""
 
 import math
 from types import SimpleNamespace
@@ -283,3 +283,67 @@ def test_batch_flops_by_hand():
              "mm": {"pixel_values": torch.zeros(6, 2), "image_grid_thw": torch.zeros(1, 3),
                     "pixel_values_videos": torch.zeros(4, 2), "video_grid_thw": torch.zeros(2, 3)}}
     assert modeling.batch_flops(params, batch) == 1488.0
+
+
+# ----------------------------------------------------------------------------------------------
+# model.override_config
+# ----------------------------------------------------------------------------------------------
+
+def test_override_config_sets_each_key_where_transformers_keeps_it(toy):
+    """transformers 5 keeps a VL model's language keys in its text_config, where AutoConfig's kwargs never put them
+    (they vanished without a word). apply_overrides sets them there and keeps top-level keys at the top. A dict for
+    a sub-config or a dict value merges in. It returns the values set in that nesting, which is what vLLM's
+    hf_overrides reads. A key that is nowhere is an error naming its path."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(toy["vl_model"])
+    assert config.text_config.rope_parameters == {"mrope_section": [2, 3, 3], "rope_theta": 10000.0,
+                                                  "rope_type": "default"}  # the toy's, as written
+    changes = modeling.apply_overrides(config, {"rms_norm_eps": 0.25, "image_token_id": 7, "vision_config": {
+        "depth": 1}, "rope_parameters": {"rope_theta": 5.0}})
+    rope = {"mrope_section": [2, 3, 3], "rope_theta": 5.0, "rope_type": "default"}
+    assert (config.text_config.rms_norm_eps, config.image_token_id, config.vision_config.depth) == (0.25, 7, 1)
+    assert config.text_config.rope_parameters == rope
+    assert changes == {"text_config": {"rms_norm_eps": 0.25, "rope_parameters": rope}, "image_token_id": 7,
+                       "vision_config": {"depth": 1}}
+    text = AutoConfig.from_pretrained(toy["text_model"])
+    assert modeling.apply_overrides(text, {"rms_norm_eps": 0.25}) == {"rms_norm_eps": 0.25}
+    assert text.rms_norm_eps == 0.25
+    for path, overrides, message in (
+            ("vl_model", {"rms_norm_epz": 1}, r"override_config\.rms_norm_epz: no such key in Qwen2_5_VLConfig or its "
+                                              r"text_config \(the model's config.json\)"),
+            ("vl_model", {"vision_config": {"dept": 1}}, r"override_config\.vision_config\.dept: no such key in "
+                                                         r"Qwen2_5_VLVisionConfig \("),
+            ("text_model", {"rms_norm_epz": 1}, r"override_config\.rms_norm_epz: no such key in Qwen2Config \(")):
+        with pytest.raises(ValueError, match=message):
+            modeling.apply_overrides(AutoConfig.from_pretrained(toy[path]), overrides)
+
+
+def test_override_config_reaches_the_actor_the_rollout_and_the_saved_config(toy, tmp_path, monkeypatch):
+    """rms_norm_eps=0.25 in model.override_config of the VL toy: every RMSNorm of the language model runs with eps
+    0.25 in the actor's model and in the transformers rollout engine's own copy (both had the toy's 1e-5: the
+    key was dropped), vLLM is handed {"text_config": {"rms_norm_eps": 0.25}}, and the config.json saved with
+    a checkpoint carries it."""
+    import json
+
+    import actor
+    import rollout
+    from config import ActorConfig, ModelConfig
+    from test_rollout import config as rollout_config
+    from test_rollout_vllm import fake_vllm
+
+    model_cfg = ModelConfig(model_path=toy["vl_model"], override_config={"rms_norm_eps": 0.25})
+    monkeypatch.setattr(modeling.dist, "is_initialized", lambda: False)  # unsharded, even after vLLM's engine tests
+    hf, _, _ = modeling.build_model(ActorConfig(model=model_cfg), "actor", "cpu", torch.float32, torch.float32, 0)
+    engine = rollout.make_rollout(rollout_config(override_config={"rms_norm_eps": 0.25}), toy["vl_model"],
+                                  max_prompt_length=32, max_response_length=4, device="cpu")
+    for model in (hf, engine.model):
+        eps = {m.variance_epsilon for name, m in model.named_modules() if hasattr(m, "variance_epsilon")
+               and "language_model" in name}
+        assert eps == {0.25}
+    calls = fake_vllm(monkeypatch)
+    rollout.make_rollout(rollout_config(name="vllm", override_config={"rms_norm_eps": 0.25}), toy["vl_model"],
+                         max_prompt_length=32, max_response_length=4, device="cuda")
+    assert calls["init"]["hf_overrides"] == {"text_config": {"rms_norm_eps": 0.25}}
+    actor.save_hf_files(model_cfg, str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["text_config"]["rms_norm_eps"] == 0.25

@@ -314,125 +314,6 @@ def test_text_only_model(toy):
         assert (torch.tensor(r["logprobs"]) - expected).abs().max().item() < HF_TOL
 
 
-def fake_vllm(monkeypatch):
-    """A stand-in vLLM module; -> the dict where its LLM records its init kwargs and requests. Sleep mode as vLLM's
-    CuMemAllocator does it: sleep() releases every allocation (one already released is an error), wake_up(tags)
-    maps those tags again."""
-    import sys
-
-    calls = {}
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            calls["init"], calls["awake"] = kwargs, {"weights", "kv_cache"}
-            model = types.SimpleNamespace(load_weights=lambda named: list(named))
-            runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
-            executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=runner))
-            self.llm_engine = types.SimpleNamespace(model_executor=executor, reset_encoder_cache=lambda: None)
-
-        def sleep(self, level):
-            assert calls["awake"] == {"weights", "kv_cache"}, f"sleep() with only {calls['awake']} mapped"
-            calls["awake"] = set()
-
-        def wake_up(self, tags=None):
-            calls["awake"] |= set(tags or ("weights", "kv_cache"))
-
-        def reset_prefix_cache(self):
-            pass
-
-        def generate(self, requests, params, use_tqdm):
-            calls["requests"] = requests
-            step = {IM_END: types.SimpleNamespace(logprob=-0.5)}
-            done = types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[IM_END], logprobs=[step])])
-            return [done] * len(requests)
-
-    parallel_state = types.SimpleNamespace(model_parallel_is_initialized=lambda: False)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw))
-    monkeypatch.setitem(sys.modules, "vllm.distributed", types.SimpleNamespace(parallel_state=parallel_state))
-    return calls
-
-
-def test_vllm_sleeps_whole_after_a_weight_sync_without_generation(toy, monkeypatch):
-    """load_weights wakes only the weights; a sleep() right after (no wake_up, no generate) must still release
-    them, which vLLM's sleep does only for a wholly awake engine."""
-    calls = fake_vllm(monkeypatch)
-    engine = rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=64, max_response_length=8,
-                                  device="cuda")
-    assert calls["awake"] == set()  # asleep from the start
-    engine.load_weights(iter([]))
-    assert calls["awake"] == {"weights"}
-    engine.sleep()
-    assert calls["awake"] == set()
-    engine.wake_up()
-    engine.sleep()
-    assert calls["awake"] == set()
-
-
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy, tmp_path, monkeypatch):
-    """No GPU needed: a stand-in vLLM records what the engine hands it. Videos go as multi_modal_data
-    {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
-    already), as EasyR1 sends them; for Qwen2.5-VL the metadata goes as the processor's video_metadata (vLLM
-    0.24 drops it from a (video, metadata) pair there, and the processor then takes 24 fps for the time
-    positions); limit_mm_per_prompt allows as many videos as the data has (0 without)."""
-    import numpy
-    from transformers import AutoConfig, Qwen3VLConfig
-
-    calls = fake_vllm(monkeypatch)
-    path = toy["vl_model"]
-    if family == "qwen3_vl":
-        path = str(tmp_path / "qwen3")
-        Qwen3VLConfig(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD).save_pretrained(path)
-    assert AutoConfig.from_pretrained(path).model_type == family
-    frames = numpy.zeros((4, 56, 56, 3), numpy.uint8)
-    metadata = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
-                "video_backend": "pyav"}
-    prompts = [{"uid": "v", "raw_prompt_ids": [1, 3, VIDEO_PAD, 4, 9], "images": [], "videos": [frames, frames],
-                "video_metadata": [metadata, metadata]},
-               {"uid": "t", "raw_prompt_ids": [1, 9], "images": [], "videos": [], "video_metadata": []}]
-    for limit in (0, 2):
-        cfg = config(name="vllm")
-        if limit:
-            cfg.limit_videos = limit  # the trainer sets it from the data
-        engine = rollout.make_rollout(cfg, path, max_prompt_length=64, max_response_length=8, device="cuda",
-                                      tokenizer_path=toy["vl_model"])
-        assert calls["init"]["limit_mm_per_prompt"] == {"video": limit, "image": 1}
-    engine.load_weights(iter([]))
-    out = engine.generate(prompts, n=1, max_tokens=4, seed=0)
-    assert [r["response_ids"] for r in out] == [[IM_END], [IM_END]]
-    video, text = calls["requests"]
-    assert "multi_modal_data" not in text and video["prompt_token_ids"] == [1, 3, VIDEO_PAD, 4, 9]
-    sent = video["multi_modal_data"]["video"]
-    if family == "qwen3_vl":
-        assert [m for _, m in sent] == [{**metadata, "do_sample_frames": False}] * 2
-        sent = [v for v, _ in sent]
-    assert len(sent) == 2 and all(v is frames for v in sent)
-    kwargs = {"video_metadata": [metadata, metadata]} if family == "qwen2_5_vl" else None
-    assert video.get("mm_processor_kwargs") == kwargs and "mm_processor_kwargs" not in text
-    with pytest.raises(ValueError, match="max_tokens=0"):  # not max_response_length
-        engine.generate(prompts, n=1, max_tokens=0)
-    with pytest.raises(ValueError, match="prompt 1 .uid t. has an empty raw_prompt_ids"):
-        engine.generate([prompts[0], {**prompts[1], "raw_prompt_ids": []}], n=1, max_tokens=4)
-
-
-def test_vllm_refuses_a_context_longer_than_the_model_before_starting(toy, monkeypatch):
-    """prompt + response (or worker.rollout.max_model_len) beyond the model's max_position_embeddings (32768 for
-    the toy) is an error naming the keys and the model, raised before vLLM is imported (vLLM's own check fails
-    later, inside a Ray worker, as a pydantic error); VLLM_ALLOW_LONG_MAX_MODEL_LEN lets it through, as in vLLM."""
-    import sys
-
-    for cfg, length in ((config(name="vllm"), 36864), (config(name="vllm", max_model_len=40000), 40000)):
-        with pytest.raises(ValueError, match=f"context of {length} tokens .worker.rollout.max_model_len, else "
-                                             r"data.max_prompt_length \+ max_response_length. exceeds the 32768"):
-            rollout.make_rollout(cfg, toy["vl_model"], max_prompt_length=32768, max_response_length=4096,
-                                 device="cuda")
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    monkeypatch.setitem(sys.modules, "vllm", None)  # the import is the next thing that runs: it fails
-    with pytest.raises(ImportError, match="needs vLLM"):
-        rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=32768, max_response_length=4096,
-                             device="cuda")
-
-
 def test_sampler_draws_from_the_processed_distribution():
     """4000 rows of the same logits, each with its own generator: frequencies match softmax(z / T) with the
     banned token at 0 and top-k's dropped token at 0 (3 sigma ~ 0.023 at p = 0.5)."""
@@ -659,31 +540,6 @@ def test_response_is_cut_after_the_first_eos_of_any_kind():
     assert rollout._response(0, "u", (7, 8), [-1.0, -2.0], [IM_END])["finish_reason"] == "length"
 
 
-def test_vllm_sampling_params_of_each_request(toy, monkeypatch):
-    """One request per sample, seeded derive_seed(seed, i, j), with the settings, the EOS list and the -100 ban."""
-    fake_vllm(monkeypatch)
-    prompts = [{"uid": "x", "raw_prompt_ids": [1, 9]}, {"uid": "y", "raw_prompt_ids": [1, 10]}]
-    for ignore_eos, stop in ((False, [IM_END, ENDOFTEXT]), (True, [])):
-        engine = rollout.make_rollout(config(name="vllm", ignore_eos=ignore_eos), toy["vl_model"],
-                                      max_prompt_length=64, max_response_length=8, device="cuda")
-        with pytest.raises(RuntimeError, match="load_weights"):
-            engine.generate(prompts, n=1)
-        engine.load_weights(iter([]))
-        seen, generate = [], engine.llm.generate
-        engine.llm.generate = lambda reqs, params, use_tqdm: seen.append((reqs, params)) or generate(reqs, params, 0)
-        out = engine.generate(prompts, n=2, temperature=0.5, top_p=0.9, top_k=7, max_tokens=3, seed=4)
-        assert [r["uid"] for r in out] == ["x", "x", "y", "y"]
-        (requests, params), = seen
-        assert [r["prompt_token_ids"] for r in requests] == [[1, 9], [1, 9], [1, 10], [1, 10]]
-        assert params == [dict(n=1, temperature=0.5, top_p=0.9, top_k=7, max_tokens=3, logprobs=0, detokenize=False,
-                               seed=rollout.derive_seed(4, i, j), ignore_eos=ignore_eos, stop_token_ids=stop,
-                               logit_bias={IMAGE_PAD: -100.0, VIDEO_PAD: -100.0}) for i in (0, 1) for j in (0, 1)]
-    with pytest.raises(ValueError, match="n=0"):
-        engine.generate(prompts, n=0)
-    with pytest.raises(KeyError, match=r"prompt 1 lacks \['uid'\]"):
-        engine.generate([prompts[0], {"raw_prompt_ids": [1]}])
-
-
 def test_sampler_edges_top_k_of_all_but_one_and_top_p_mass_reached_exactly():
     """top_k = vocab - 1 drops the least likely token; top_p 0.5 on [0.5, 0.25, 0.25] keeps the first alone."""
     gens = [torch.Generator().manual_seed(i) for i in range(300)]
@@ -696,5 +552,5 @@ def test_sampler_edges_top_k_of_all_but_one_and_top_p_mass_reached_exactly():
 def test_eos_list_from_the_tokenizer_folders_generation_config_when_the_model_has_none(toy, tmp_path):
     """A model folder without generation_config.json: the EOS list comes from the tokenizer folder's one."""
     shutil.copytree(toy["vl_model"], tmp_path / "m", ignore=lambda d, names: ["generation_config.json"])
-    _, eos, banned, pad = rollout._load_config(str(tmp_path / "m"), toy["vl_model"])
+    _, _, eos, banned, pad = rollout._load_config(config(), str(tmp_path / "m"), toy["vl_model"])
     assert (eos, banned, pad) == ([IM_END, ENDOFTEXT], [IMAGE_PAD, VIDEO_PAD], ENDOFTEXT)
