@@ -192,8 +192,20 @@ def _serve(fn, kwargs, pipe, trainer_end):
     """The reward process: call fn on each argument received, send back ("ok", result) or ("raised",
     "Type: message", traceback text), until the trainer closes the pipe or ends."""
     trainer_end.close()  # the copy forked here: while open, a trainer that dies would leave this process waiting
+    os.setpgid(0, 0)  # its own process group (the trainer sets it too), before the guard below joins it
     with contextlib.suppress(AttributeError, OSError):  # Linux: killed with the trainer, also during a hung call
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        group = os.getpid()
+        if os.fork() == 0:  # a guard: when this process ends (killed with the trainer, too), it kills the group,
+            try:  # so what fn started goes as well (a killed process's children live on)
+                pipe.close()
+                signal.signal(signal.SIGTERM, lambda *_: os.killpg(group, signal.SIGKILL))
+                ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+                while os.getppid() == group:  # else this process ended already
+                    signal.pause()
+                os.killpg(group, signal.SIGKILL)
+            finally:
+                os._exit(0)
     while True:
         try:
             arg = pipe.recv()
