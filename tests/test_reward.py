@@ -509,45 +509,29 @@ def main(x, pid_file):
 '''
 
 
-def test_the_reward_process_ends_with_a_trainer_killed_during_a_hung_call(tmp_path):
-    """SIGKILL reaches the trainer while the reward function hangs (no pipe read to notice the trainer is gone):
-    the reward process is killed with it, not left running until the call returns."""
+@pytest.mark.parametrize("name,source", [("hangs.py", HANGS), ("starts.py", STARTS_A_PROCESS)])
+def test_a_trainer_killed_during_a_call_takes_the_reward_process_and_what_it_started(tmp_path, name, source):
+    """SIGKILL reaches the trainer while the reward function hangs (no pipe read to notice the trainer is gone) or
+    waits on a process it started (a sandbox): the process whose pid the function wrote ends too. hangs.py: the
+    reward process, killed with the trainer (PR_SET_PDEATHSIG); starts.py: its child, which would outlive it."""
     pid_file = tmp_path / "pid"
     script = textwrap.dedent(f'''
         import reward
-        fn = reward.load_reward_function({write(tmp_path, "hangs.py", HANGS)!r}, call_timeout=300,
+        fn = reward.load_reward_function({write(tmp_path, name, source)!r}, call_timeout=300,
                                          pid_file={str(pid_file)!r})
         fn([{{"response": "red", "ground_truth": "red", "response_length": 1}}])
     ''')
-    assert ends_within(kill_trainer_once_written(script, pid_file), 5.0)
-
-
-def kill_trainer_once_written(script, pid_file):
-    """Run `script` as a trainer in a process of its own, SIGKILL it once pid_file holds a pid; -> that pid."""
     trainer = subprocess.Popen([sys.executable, "-c", script], cwd=os.path.dirname(reward.__file__),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return int(pid_file.read_text())
+        written = int(pid_file.read_text())
     finally:
         trainer.kill()
         trainer.wait()
-
-
-def test_what_the_reward_function_started_ends_with_a_killed_trainer(tmp_path):
-    """SIGKILL reaches the trainer while the function waits on a process it started (a sandbox): that process ends
-    too, though the kernel kills only the reward process with the trainer (PR_SET_PDEATHSIG) and a killed
-    process's children live on."""
-    pid_file = tmp_path / "pid"
-    script = textwrap.dedent(f'''
-        import reward
-        fn = reward.load_reward_function({write(tmp_path, "starts.py", STARTS_A_PROCESS)!r}, call_timeout=300,
-                                         pid_file={str(pid_file)!r})
-        fn([{{"response": "red", "ground_truth": "red", "response_length": 1}}])
-    ''')
-    assert ends_within(kill_trainer_once_written(script, pid_file), 5.0)
+    assert ends_within(written, 5.0)
 
 
 CHANGES_ITS_INPUT = '''
