@@ -77,6 +77,9 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
     if cfg.override_chat_template:
         processor.chat_template = tokenizer.chat_template = _read_text(cfg.override_chat_template,
                                                                        "data.override_chat_template")
+    if getattr(processor, "chat_template", None) is None:  # transformers' error would come at the first row
+        raise DataError(f"{tokenizer_path} has no chat template (a base model?): set data.override_chat_template "
+                        "to a Jinja file that lays out the system and user messages and the generation prompt")
     return processor, tokenizer
 
 

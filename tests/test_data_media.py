@@ -4,6 +4,8 @@ closed, frames sampled and decoded, the loader's documented order (the prompts t
 import io
 import os
 import random
+import re
+import shutil
 
 import pandas as pd
 import pytest
@@ -170,3 +172,17 @@ def test_format_template_is_stripped_and_no_empty_text_part_reaches_the_chat_tem
     builder = data.PromptBuilder(cfg, data.load_processor(toy["vl_model"], cfg)[0], toy["vl_model"])
     row = {"problem": "<image>What?", "answer": "x", "images": [png(56, 56)]}
     assert builder.prompt_text(row, "r0")[0] == "[image:][text:What? Think.]"
+
+
+def test_a_tokenizer_without_a_chat_template_is_an_error_naming_the_key(tmp_path, toy):
+    """A base model's tokenizer has no chat template: an error at load naming the folder and
+    data.override_chat_template (transformers' own came at the first row, naming neither); with the key set it
+    loads."""
+    shutil.copytree(toy["text_model"], tmp_path / "base", ignore=lambda d, names: ["chat_template.jinja"])
+    with pytest.raises(data.DataError, match=re.escape(f"{tmp_path / 'base'} has no chat template (a base model?): "
+                                                       "set data.override_chat_template")):
+        data.load_processor(str(tmp_path / "base"), config())
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    processor, _ = data.load_processor(str(tmp_path / "base"),
+                                       config(override_chat_template=str(tmp_path / "chat.jinja")))
+    assert processor.chat_template == (tmp_path / "chat.jinja").read_text()
