@@ -14,6 +14,7 @@ import torch.distributed as dist
 import actor
 import modeling
 import rollout
+from config import ConfigError
 
 try:  # Ray is needed to train, not to read or check a config
     import ray
@@ -114,6 +115,9 @@ class WorkerGroup:
             else:
                 _start_local_ray(num_cpus=max(_usable_cpus(), self.world), **kwargs)
         gpu = 1 if self.device == "cuda" else 0
+        if gpu and (have := ray.cluster_resources().get("GPU", 0)) < self.world:  # else a 600 s wait, then a timeout
+            raise ConfigError(f"trainer.nnodes x trainer.n_gpus_per_node = {self.world} workers need a GPU each; Ray "
+                              f"sees {have:g} (CUDA_VISIBLE_DEVICES, or the GPUs of the nodes joined to its cluster)")
         self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu}] * self.world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         remote, place = ray.remote(Worker), ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy

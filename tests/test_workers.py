@@ -4,6 +4,8 @@ a prompt's responses kept together), results joined back in order, update metric
 import functools
 import types
 
+import pytest
+
 import workers
 
 
@@ -56,3 +58,16 @@ def test_log_probs_come_back_in_sample_order_and_update_metrics_are_the_ranks_me
                                                      "n": float(len(samples))})
     assert group.log_probs(SAMPLES, kind="old") == [f"old{i}" for i in range(8)]
     assert group.update(SAMPLES) == {"actor/pg_loss": 2.0, "actor/lr": 2.0, "n": 4.0}
+
+
+def test_more_workers_than_gpus_is_a_config_error_not_a_wait(monkeypatch):
+    """Two GPU workers on a Ray that sees one GPU: an error naming the keys at once; the placement group would wait
+    600 s, then time out with Ray's words."""
+    from config import ConfigError, load_config
+
+    monkeypatch.setattr(workers.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(workers.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    cfg = load_config(None, ["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=r"trainer.nnodes x trainer.n_gpus_per_node = 2 workers need a GPU each; "
+                                          r"Ray sees 1 "):
+        workers.WorkerGroup(cfg, training_steps=1)
