@@ -273,7 +273,7 @@ class PromptBuilder:
                 out.append(fn(item, *args))
             except Exception as e:
                 raise DataError(f"{where}: {kind} {k} of column '{getattr(self.cfg, kind + '_key')}' is unreadable: "
-                                f"{e!r}") from e
+                                f"{type(e).__name__}: {e}") from e  # str: a missing file's path too
         return out
 
     def measure(self, row, where):

@@ -606,7 +606,7 @@ BAD_ROWS = {
     "unreadable image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": b"not a png", "path": None}]},
                          "image 0 of column 'images' is unreadable"),
     "missing image file": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": "/no/x.png"}]},
-                           "image 0 of column 'images' is unreadable"),
+                           "image 0 of column 'images' is unreadable: FileNotFoundError: .*'/no/x.png'"),
     "empty prompt": ({"problem": "  ", "answer": "a", "images": []}, "empty prompt in column 'problem'"),
     "null prompt": ({"problem": None, "answer": "a", "images": []}, "empty prompt in column 'problem'"),
     "image, no placeholder": ({"problem": "Q?", "answer": "a", "images": [{"bytes": png(56, 56), "path": None}]},
