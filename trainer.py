@@ -41,6 +41,7 @@ class Run:
 
     def __init__(self, cfg):
         self.cfg, t, d, a = cfg, cfg.trainer, cfg.data, cfg.algorithm
+        check_choices(cfg)  # main checked them too; here also for a Run made from Python
         _ensure_toy_world(cfg)
         model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
         try:  # override_config's keys, checked against the model's config now, not in each worker's setup

@@ -113,6 +113,16 @@ def test_mlflow_and_swanlab_loggers_log_every_step(tmp_path, monkeypatch):
     assert calls[4][2] == ({"reward/overall": 0.5},) and calls[4][3] == {"step": 3}
 
 
+def test_a_run_made_from_python_checks_the_stages_values_too(tmp_path):
+    """trainer.Run(cfg) without main: a value no stage accepts is an error at once, not at the first update (and
+    fsdp.mp_buffer_dtype, which FSDP2 would ignore, is refused)."""
+    with pytest.raises(ConfigError, match=r"worker.actor.loss_type='ppo' is not one of \['default'"):
+        make_run(tmp_path / "run", "worker.actor.loss_type=ppo")
+    with pytest.raises(ConfigError, match="worker.actor.fsdp.mp_buffer_dtype=bf16: buffers stay fp32 in FSDP2"):
+        make_run(tmp_path / "run", "worker.actor.fsdp.mp_buffer_dtype=bf16")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_key_the_models_config_lacks_in_override_config_stops_the_run_before_any_file(tmp_path, toy):
     """transformers drops such a key without a word; the run stops at start-up, naming it, before Ray or a file."""
     with pytest.raises(ConfigError, match=r"worker\.actor\.model\.override_config\.rms_norm_epz: no such key in "
