@@ -50,6 +50,13 @@ class Run:
                                 model.override_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        rw = cfg.worker.reward  # loaded before the data's checks and any thread: a wrong path fails in seconds
+        timeout = {"timeout": rw.timeout} if rw.reward_function in ("math", "r1v") else {}  # they compare answers
+        try:
+            self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout,
+                                                         **{**timeout, **rw.reward_function_kwargs})
+        except reward.RewardError as e:  # a wrong path, name or keyword: one line, like a config error
+            raise ConfigError(str(e)) from None
         self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
         os.makedirs(self.ckpt_root, exist_ok=True)
         checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
@@ -64,10 +71,6 @@ class Run:
                                             batch_size=d.val_batch_size, drop_last=False, trust_remote_code=remote)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
-        rw = cfg.worker.reward
-        timeout = {"timeout": rw.timeout} if rw.reward_function in ("math", "r1v") else {}  # they compare answers
-        self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout,
-                                                     **{**timeout, **rw.reward_function_kwargs})
         self.kl_ctrl = (advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
                         else advantage.FixedKLController(a.kl_coef))
         batches = self.train_loader.batches_per_epoch
@@ -582,16 +585,19 @@ def _remove_old_checkpoints(root, step, best_step, limit):
 
 
 def _ensure_toy_world(cfg):
-    """Build the offline toy world on first use when the config points into .toy/, and make paths absolute."""
-    m, d = cfg.worker.actor.model, cfg.data
+    """Build the offline toy world on first use when the config points into .toy/, and make relative paths absolute:
+    each is looked up in the working directory, then in this folder (so the toy configs run from any directory)."""
+    m, d, rw = cfg.worker.actor.model, cfg.data, cfg.worker.reward
     if any(str(p).startswith(".toy/") for p in (m.model_path, d.train_files, d.val_files)):
         import toy
-        toy.ensure_toy(os.path.abspath(".toy"))
-    for obj, key in ((m, "model_path"), (m, "tokenizer_path"), (d, "format_prompt"), (d, "override_chat_template"),
-                     (d, "image_dir"), (d, "train_files"), (d, "val_files")):
-        path, at, split = (getattr(obj, key) or "").partition("@")  # data files may name a split: path@split
-        if path and os.path.exists(path):
-            setattr(obj, key, os.path.abspath(path) + at + split)
+        toy.ensure_toy(os.path.abspath(".toy") if os.path.isdir(".toy") else os.path.join(HERE, ".toy"))
+    for obj, key, sep in ((m, "model_path", "@"), (m, "tokenizer_path", "@"), (d, "format_prompt", "@"),
+                          (d, "override_chat_template", "@"), (d, "image_dir", "@"), (d, "train_files", "@"),
+                          (d, "val_files", "@"), (rw, "reward_function", ":")):  # data files: path@split; file.py:fn
+        path, at, rest = (getattr(obj, key) or "").partition(sep)
+        found = next((p for p in (path, os.path.join(HERE, path)) if path and os.path.exists(p)), None)
+        if found and (key != "reward_function" or path.endswith(".py")):  # not a folder named like a built-in
+            setattr(obj, key, os.path.abspath(found) + at + rest)
 
 
 # --- Command line ------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from config import load_config
+import trainer
+from config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,6 +198,25 @@ def test_toy_configs_learn(tmp_path, toy, config, seed, steps, target):
     assert all(form >= 0.95 for _, _, form in vals), vals
     assert all(r["response_length/mean"] >= 8 for r in read_log(tmp_path) if "response_length/mean" in r)
     assert os.path.exists(tmp_path / "metrics.png")
+
+
+def test_a_wrong_reward_function_stops_the_run_before_the_data_is_read_or_a_file_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer.data, "load_processor", lambda *a, **k: pytest.fail("data read before the reward"))
+    cfg = load_config(None, [f"trainer.save_checkpoint_path={tmp_path / 'run'}", "worker.reward.reward_function=r.py:f"])
+    with pytest.raises(ConfigError, match=r"reward_function='r\.py:f': file .*r\.py does not exist"):
+        trainer.Run(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):
+    """Relative paths are looked up in the working directory, then beside trainer.py: the toy config's model, data
+    and reward file are found, and no second toy world is built in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"))
+    trainer._ensure_toy_world(cfg)
+    assert cfg.worker.reward.reward_function == os.path.join(ROOT, "configs", "toy_reward.py") + ":compute_score"
+    assert cfg.worker.actor.model.model_path == toy["vl_warm"] and cfg.data.train_files == toy["colors"] + "@train"
+    assert os.listdir(tmp_path) == []
 
 
 def test_text_only_toy_config_resolves():
