@@ -209,7 +209,7 @@ class PromptBuilder:
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"data.min_pixels={cfg.min_pixels} is larger than data.max_pixels={cfg.max_pixels}")
         self.cfg, self.processor, self.tokenizer = cfg, processor, getattr(processor, "tokenizer", processor)
-        self.image_processor, self.rope_model = getattr(processor, "image_processor", None), None
+        self.image_processor, self.rope_model, self.video_span = getattr(processor, "image_processor", None), None, None
         if self.image_processor is not None:
             # The bare model on the meta device (no weight read or allocated; a 7B model builds in ~0.2 s): its
             # get_rope_index reads only the config, so the positions are the model's own for every Qwen-VL family.
@@ -219,6 +219,11 @@ class PromptBuilder:
             if not hasattr(self.rope_model, "get_rope_index"):
                 raise ValueError(f"{type(self.rope_model).__name__} has no get_rope_index: data.py builds "
                                  "position ids for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text models only")
+            # Qwen3-VL's processor puts each temporal patch in its own <|vision_start|> ... <|vision_end|> after its
+            # timestamp; the chat template's pair around <|video_pad|> must go (transformers 4 and vLLM drop it,
+            # transformers 5 keeps it: 2 tokens per video the model never saw, and prompts unlike vLLM's)
+            self.video_span = (f"{processor.vision_start_token}{processor.video_token}{processor.vision_end_token}"
+                               if config.model_type in ("qwen3_vl", "qwen3_vl_moe") else None)
         self.template = cfg.format_prompt and jinja2.Template(
             _read_text(cfg.format_prompt, "data.format_prompt").strip())
         self.vision_tokens = [t for t in self.tokenizer.all_special_tokens if re.match(r"<\|(vision|image|video)_", t)]
@@ -259,8 +264,9 @@ class PromptBuilder:
         # metadata for Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch.
         video_kwargs = {"videos": frames, "do_sample_frames": False, "video_metadata": metadata} if videos else {}
         try:
-            out = self.processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt",
-                                 **video_kwargs)
+            out = self.processor(text=[text.replace(self.video_span, self.processor.video_token) if videos and
+                                       self.video_span else text], images=images or None, add_special_tokens=False,
+                                 return_tensors="pt", **video_kwargs)
         except Exception as e:
             raise DataError(f"{where}: the processor failed on this row: {e!r}") from e
         return text, raw_ids, out, images, frames, metadata

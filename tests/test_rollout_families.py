@@ -15,7 +15,7 @@ from conftest import leave_rank, run_ranks
 from test_data import builder, clip, png
 from test_data import config as data_config
 from test_data_families import tiny_family
-from test_rollout import HF_TOL, VLLM_VIDEO_TOL, config, reference_logprobs
+from test_rollout import HF_TOL, VLLM_TOL, config, reference_logprobs
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
 
@@ -28,14 +28,15 @@ def test_transformers_engine_on_the_family(family, toy, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_engine_on_the_family(family, toy, tmp_path):
-    """In a process of its own: vLLM's sleep-mode allocator allows one engine per process. Tolerance: vLLM's fp32
-    video path (tests/test_rollout.py)."""
+    """In a process of its own: vLLM's sleep-mode allocator allows one engine per process. On one H200 (vLLM 0.24)
+    every log-prob was within 1e-6 of transformers'; a Qwen3-VL video prompt with the chat template's pair of
+    vision tokens kept around its placeholder (transformers 5's processor keeps it, vLLM drops it) was 0.042 off."""
     pytest.importorskip("vllm", reason="vLLM is not installed (GPU extra: requirements-gpu.txt)")
     if not torch.cuda.is_available():
         pytest.skip("the vLLM engine needs a CUDA GPU")
     assert run_ranks(sample_family, [(family, "vllm", toy["vl_model"], str(tmp_path))], timeout=600) == [0]
     gap = json.load(open(tmp_path / "gap.json"))
-    assert gap < VLLM_VIDEO_TOL, f"max |logp_rollout - logp_reference| = {gap}"
+    assert gap < VLLM_TOL, f"max |logp_rollout - logp_reference| = {gap}"
 
 
 def sample_family(family, name, toy_model, folder):
@@ -54,6 +55,7 @@ def sample_family(family, name, toy_model, folder):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29521")
     cfg = config(name=name, limit_images=2, limit_videos=1, gpu_memory_utilization=0.05)  # 7 GB of 140
     engine = rollout.make_rollout(cfg, path, max_prompt_length=1024, max_response_length=8, device=device)
+    engine.load_weights(iter(model.state_dict().items()))  # vLLM starts from random weights
     responses = engine.generate(prompts, n=2, max_tokens=8, seed=3)
     assert [r["uid"] for r in responses] == ["0-0", "0-0", "0-1", "0-1", "0-2", "0-2"]
     gap = max((torch.tensor(r["logprobs"]) - reference_logprobs(model, prompts[r["prompt_index"]], r["response_ids"],
