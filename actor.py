@@ -378,7 +378,7 @@ class Actor:
                for n, v in zip(names, totals)}
         finite = [g for g in grad_norms if math.isfinite(g)]
         out.update({"actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
-                    "actor/lr": self.lr_scheduler.get_last_lr()[0],
+                    "actor/lr": self.optimizer.param_groups[0]["lr"],  # the step's (after a resume too)
                     "actor/skipped_steps": float(len(grad_norms) - len(finite)),
                     "actor/tokens": totals[-1] / c.ppo_epochs})
         self.lr_scheduler.step()  # once per training step, after its update (EasyR1)
@@ -450,8 +450,13 @@ class Actor:
             dcp.load(optim_state, checkpoint_id=os.path.join(path, "optim"))
             set_optimizer_state_dict(self.module, self.optimizer, optim_state)
         self.optimizer_steps = extra["optimizer_steps"]
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.lr_scheduler is not None:  # the schedule's position; lr, betas and weight decay are this run's
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])  # (the optimizer's state brought the saved ones)
+            o, t = self.cfg.optim, self.lr_scheduler.last_epoch
+            for group, decay, factor in zip(self.optimizer.param_groups, (o.weight_decay, 0.0),
+                                            self.lr_scheduler.lr_lambdas):
+                group.update(lr=o.lr * factor(t), initial_lr=o.lr, betas=tuple(o.betas), weight_decay=decay)
+            self.lr_scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
         random.setstate(extra["rng"]["python"])
         torch.set_rng_state(extra["rng"]["cpu"])
         if extra["rng"]["cuda"] is not None and torch.cuda.is_available():

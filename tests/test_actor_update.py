@@ -524,6 +524,23 @@ def test_load_checkpoint_restores_step_count_and_rng(toy, tmp_path):
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])
 
 
+def test_a_resume_takes_this_runs_lr_betas_and_weight_decay_and_the_schedules_position(toy, samples, tmp_path):
+    """Saved after one step with lr 1e-3 and a 4-step warm-up; resumed with lr 1e-2, betas (0.8, 0.9) and weight
+    decay 0.1: the optimizer's loaded state must not bring back the old settings. The schedule stands at step 1,
+    so the next step runs at 1e-2 x 1/4 and logs it."""
+    old = make_actor(make_cfg(toy["vl_model"], **{"optim.lr": 1e-3, "optim.lr_warmup_steps": 4}))
+    old.update(on_policy_copy(old, samples))
+    old.save_checkpoint(str(tmp_path / "ckpt"))
+    new = make_actor(make_cfg(toy["vl_model"], **{"optim.lr": 1e-2, "optim.lr_warmup_steps": 4,
+                                                  "optim.betas": [0.8, 0.9], "optim.weight_decay": 0.1}))
+    new.load_checkpoint(str(tmp_path / "ckpt"))
+    groups = new.optimizer.param_groups
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in groups] == [(2.5e-3, (0.8, 0.9), 0.1),
+                                                                         (2.5e-3, (0.8, 0.9), 0.0)]
+    assert new.update(on_policy_copy(new, samples))["actor/lr"] == 2.5e-3
+    assert groups[0]["lr"] == 5e-3  # step 2 of the warm-up
+
+
 def test_checkpoint_hf_files_carry_override_config_and_the_lora_adapter_config(toy, tmp_path):
     """huggingface/ of a LoRA actor's checkpoint: config.json with model.override_config applied, the tokenizer,
     and adapter_config.json with the LoRA rank and alpha; a plain save_hf_files writes no adapter config."""
