@@ -381,7 +381,7 @@ def _load_config(cfg, model_path, tokenizer_path):
 
 
 def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
-    if n < 1 or max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+    if n < 1 or max_tokens < 1 or not temperature >= 0 or not 0 < top_p <= 1:
         raise ValueError(f"rollout sampling settings out of range: n={n} (>= 1), max_tokens={max_tokens} (>= 1), "
                          f"temperature={temperature} (>= 0), top_p={top_p} (in (0, 1])")
     for i, prompt in enumerate(prompts):

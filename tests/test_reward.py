@@ -206,6 +206,8 @@ DAPO_KW = {"max_response_length": 100, "overlong_buffer_length": 20, "overlong_p
 def test_dapo_accuracy(response, truth, acc):
     got = reward.dapo_reward(sample(response, truth, response_length=10), **DAPO_KW)
     assert got == {"overall": acc, "accuracy": acc, "overlong": 0.0, "accuracy_normalized": (acc + 1) / 2}
+    if truth.isdigit():  # a number given as one (by a caller other than data.py) is compared as its text
+        assert reward.dapo_reward(sample(response, int(truth), response_length=10), **DAPO_KW) == got
 
 
 @pytest.mark.parametrize("length,overlong", [(0, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0), (101, -1.0), (5000, -1.0)])

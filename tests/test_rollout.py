@@ -362,7 +362,8 @@ def test_bad_inputs_fail_with_clear_errors(toy, world):
     engine = rollout.make_rollout(config(), toy["vl_model"], max_prompt_length=64, max_response_length=4, device="cpu")
     with pytest.raises(KeyError, match="prompt 0 lacks"):
         engine.generate([{"uid": "x"}], n=1)
-    for key, value, bound in (("top_p", 0.0, "(in (0, 1])"), ("temperature", -0.5, "(>= 0)")):  # every setting listed
+    for key, value, bound in (("top_p", 0.0, "(in (0, 1])"), ("temperature", -0.5, "(>= 0)"),  # every one listed
+                              ("temperature", float("nan"), "(>= 0)")):  # NaN: every log-prob was NaN
         with pytest.raises(ValueError, match=re.escape(f"{key}={value} {bound}")):
             engine.generate(world.prompts, n=1, **{key: value})
     assert len(engine.generate(world.prompts, n=1, top_p=0.5)) == 3  # the same call in range: top_p was the cause
