@@ -26,6 +26,7 @@ every rank calls each method together (FSDP all-gathers inside); without one, no
 
 import collections
 import contextlib
+import json
 import logging
 import math
 import os
@@ -437,11 +438,14 @@ class Actor:
             raise FileNotFoundError(f"Actor.load_checkpoint: {path} lacks {', '.join(missing)}; expected the folder "
                                     "that Actor.save_checkpoint wrote (global_step_N/actor, not save_model_only)")
         extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)  # tensors and plain containers
-        saved = extra.get("optim_strategy", self.cfg.optim.strategy)  # checkpoints before this key: not checked
-        if self.optimizer is not None and saved != self.cfg.optim.strategy:
-            raise ValueError(f"{path} holds the state of optim.strategy={saved}, this run has "
-                             f"{self.cfg.optim.strategy}: resume with the same strategy, or start a new run from the "
-                             "merged weights (merge.py, then worker.actor.model.model_path)")
+        adapter = os.path.join(path, "huggingface", "adapter_config.json")  # LoRA checkpoints: its rank
+        mine = {"optim.strategy": self.cfg.optim.strategy, "model.lora.rank": self.lora_rank}
+        saved = {"optim.strategy": extra.get("optim_strategy", mine["optim.strategy"]),  # older checkpoints: unknown
+                 "model.lora.rank": json.load(open(adapter))["r"] if os.path.exists(adapter) else 0}
+        if self.optimizer is not None and (keys := [k for k in mine if saved[k] != mine[k]]):
+            raise ValueError(f"{path} holds the state of {', '.join(f'{k}={saved[k]}' for k in keys)}, this run has "
+                             f"{', '.join(f'{k}={mine[k]}' for k in keys)}: resume with the same settings, or start a "
+                             "new run from the merged weights (merge.py, then worker.actor.model.model_path)")
         state = get_model_state_dict(self.module)
         dcp.load(state, checkpoint_id=os.path.join(path, "model"))
         set_model_state_dict(self.module, state)

@@ -541,6 +541,18 @@ def test_a_resume_takes_this_runs_lr_betas_and_weight_decay_and_the_schedules_po
     assert groups[0]["lr"] == 5e-3  # step 2 of the warm-up
 
 
+def test_a_resume_across_lora_and_full_fine_tuning_names_both(toy, tmp_path):
+    """A full checkpoint into a LoRA run and back (DCP said 'Missing key ... lm_head.weight'), and another rank."""
+    full, lora, lora8 = (make_cfg(toy["text_model"], **{"model.lora.rank": r}) for r in (0, 4, 8))
+    make_actor(full).save_checkpoint(str(tmp_path / "full"))
+    make_actor(lora).save_checkpoint(str(tmp_path / "lora"))
+    for path, cfg, message in (("full", lora, "model.lora.rank=0, this run has model.lora.rank=4"),
+                               ("lora", full, "model.lora.rank=4, this run has model.lora.rank=0"),
+                               ("lora", lora8, "model.lora.rank=4, this run has model.lora.rank=8")):
+        with pytest.raises(ValueError, match=f"holds the state of {message}"):
+            make_actor(cfg).load_checkpoint(str(tmp_path / path))
+
+
 def test_checkpoint_hf_files_carry_override_config_and_the_lora_adapter_config(toy, tmp_path):
     """huggingface/ of a LoRA actor's checkpoint: config.json with model.override_config applied, the tokenizer,
     and adapter_config.json with the LoRA rank and alpha; a plain save_hf_files writes no adapter config."""

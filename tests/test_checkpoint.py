@@ -213,7 +213,7 @@ def test_the_actor_refuses_another_optimizers_state_and_loads_checkpoints_withou
     save_steps(tmp_path, [1])
     workers = FakeWorkers()
     workers.actor.cfg.optim.strategy = "adamw_bf16"
-    with pytest.raises(ValueError, match="optim.strategy=adamw, this run has adamw_bf16: resume with the same"):
+    with pytest.raises(ValueError, match="optim.strategy=adamw, this run has optim.strategy=adamw_bf16: resume with"):
         workers.load(str(tmp_path / "global_step_1" / "actor"))
     extra_path = tmp_path / "global_step_1" / "actor" / "extra_state.pt"
     extra = torch.load(extra_path, weights_only=True)
