@@ -38,6 +38,7 @@ import collections.abc
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import io
 import itertools
 import logging
@@ -49,6 +50,7 @@ import threading
 
 import datasets
 import jinja2
+import jinja2.meta
 import numpy
 import pyarrow.compute
 import pyarrow.parquet
@@ -224,8 +226,13 @@ class PromptBuilder:
             # transformers 5 keeps it: 2 tokens per video the model never saw, and prompts unlike vLLM's)
             self.video_span = (f"{processor.vision_start_token}{processor.video_token}{processor.vision_end_token}"
                                if config.model_type in ("qwen3_vl", "qwen3_vl_moe") else None)
-        self.template = cfg.format_prompt and jinja2.Template(
-            _read_text(cfg.format_prompt, "data.format_prompt").strip())
+        if cfg.format_prompt:  # a mistyped `{{ question }}` rendered '' for every row: the question gone, no error
+            env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+            ast = env.parse(_read_text(cfg.format_prompt, "data.format_prompt").strip())
+            if (names := jinja2.meta.find_undeclared_variables(ast)) != {"content"}:
+                raise DataError(f"data.format_prompt ({cfg.format_prompt}) must use {{{{ content }}}}, the row's "
+                                f"prompt, and no other variable; it uses {sorted(names)}")
+        self.template = cfg.format_prompt and env.from_string(ast)
         self.vision_tokens = [t for t in self.tokenizer.all_special_tokens if re.match(r"<\|(vision|image|video)_", t)]
 
     def build(self, row, index, where):
@@ -307,7 +314,8 @@ class PromptBuilder:
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
-        if (answer := row.get(cfg.answer_key)) is None or not str(answer).strip():  # the reward compares with it
+        answer = row.get(cfg.answer_key)  # the reward compares with it: None, blank, [], () or {} is no answer
+        if answer is None or not str(answer).strip() or isinstance(answer, (list, tuple, dict)) and not answer:
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
         if self.template:
             content = self.template.render(content=content)
@@ -327,6 +335,10 @@ class PromptBuilder:
         messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         messages.append({"role": "user", "content": content})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for kind, items in (("image", images), ("video", videos)) if self.image_processor is not None else ():
+            if (n := text.count(token := getattr(self.processor, f"{kind}_token"))) != len(items):
+                raise DataError(f"{where}: the chat template gave {n} {token} for {len(items)} {kind}(s): "
+                                "data.override_chat_template or data.system_prompt must keep one per image and video")
         return text, images, videos
 
 
@@ -449,8 +461,9 @@ class Rows:
 def load_rows(spec, cfg):
     """Rows of `spec`, one of:
       - a local .parquet/.json/.jsonl/.csv/.arrow file (its one split is train, as datasets names it: `file@train`);
-      - a local folder, `folder@split`: every such file under it with a word of its name starting with split (default
-        train): `train` takes geo_train.parquet and training-0.jsonl, not pretrain_test.parquet;
+      - a local folder, `folder@split`: every such file under it with a word of its name or of a folder under `folder`
+        starting with split (default train): `train` takes geo_train.parquet, training-0.jsonl and train/data-0.arrow,
+        not pretrain_test.parquet (nor save_to_disk's dataset_info.json, state.json);
       - a hub dataset, `name@split`, through datasets.load_dataset (split default train).
     The prompt and answer columns must exist in every file."""
     if not spec:
@@ -473,10 +486,12 @@ def load_rows(spec, cfg):
             raise DataError(f"{local} has no rows")
     else:
         split = split or "train"
-        files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names
-                       if os.path.splitext(f)[1] in FILE_BUILDERS and re.search(rf"(?<![a-zA-Z]){re.escape(split)}", f))
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names  # train/, *_train.*
+                       if os.path.splitext(f)[1] in FILE_BUILDERS and f not in ("dataset_info.json", "state.json")
+                       and re.search(rf"(?<![a-zA-Z]){re.escape(split)}", os.path.relpath(os.path.join(d, f), local)))
         if not files:
-            raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name word starting {split!r}")
+            raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name or folder word starting "
+                            f"{split!r}")
         parts = [(f, _read_file(f)) for f in files]
         for f in [f for f, part in parts if part is None]:
             logger.warning(f"{f} has no rows; skipped")
@@ -487,7 +502,7 @@ def load_rows(spec, cfg):
         if missing := [key for key in (cfg.prompt_key, cfg.answer_key) if key not in part.column_names]:
             raise DataError(f"{name}: no column {missing} (columns: {part.column_names}); "
                             "set data.prompt_key / data.answer_key to the right names")
-    rows = Rows(spec, parts)
+    rows = Rows(spec, [(name, _undecoded(part)) for name, part in parts])
     if len(rows) == 0:
         raise DataError(f"'{spec}' has no rows")
     return rows
@@ -511,6 +526,19 @@ def _read_file(path):
         return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train")
     except Exception as e:
         raise DataError(f"{path}: not readable as a {extension} file: {e!r}") from e
+
+
+def _undecoded(part):
+    """`part` with its Image and Video features, in lists and dicts too, set to decode=False (its Arrow data as is):
+    rows then hold {"bytes", "path"} for process_image / process_video, so image_dir applies and a bad one names its
+    row (datasets' own decoding read a relative path from the working directory and raised a bare PIL error)."""
+    def visit(f):
+        if isinstance(f, (datasets.Image, datasets.Video)):
+            return dataclasses.replace(f, decode=False)
+        if isinstance(f, (datasets.List, datasets.LargeList)):
+            return dataclasses.replace(f, feature=visit(f.feature))
+        return {k: visit(v) for k, v in f.items()} if isinstance(f, dict) else f
+    return datasets.Dataset(part.data, datasets.DatasetInfo(features=datasets.Features(visit(part.features))))
 
 
 def _local_path(path):

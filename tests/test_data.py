@@ -238,7 +238,7 @@ def test_an_empty_file_has_no_rows(tmp_path):
 
 def test_hub_name_at_split_goes_to_load_dataset(monkeypatch, toy):
     """No network here: a hub id must reach datasets.load_dataset(name, split=...); the fake returns a
-    dataset with an Image feature, as the hub's Geometry3K has, so rows carry PIL images."""
+    dataset with an Image feature, as the hub's Geometry3K has, left undecoded: rows carry {"bytes", "path"}."""
     calls = []
     features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
                                   "images": datasets.Sequence(datasets.Image())})
@@ -252,7 +252,7 @@ def test_hub_name_at_split_goes_to_load_dataset(monkeypatch, toy):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     rows = data.load_rows("someone/geometry@test", config())
     assert calls == [("someone/geometry", "test")] and rows.where(0) == "someone/geometry@test row 0"
-    assert isinstance(rows[0]["images"][0], Image.Image)
+    assert rows[0]["images"] == [{"bytes": png(56, 56), "path": None}]
     data.load_rows("someone/geometry", config())
     assert calls[-1] == ("someone/geometry", "train")
     prompt = builder(toy["vl_model"]).build(rows[0], 0, rows.where(0))

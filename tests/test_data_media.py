@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import data
-from test_data import COLOR_LIST, clip, config, loader, png, vl  # noqa: F401 (vl: a fixture)
+from test_data import COLOR_LIST, builder, chat, clip, config, loader, png, vl  # noqa: F401 (vl: a fixture)
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -167,11 +167,11 @@ def test_format_template_is_stripped_and_no_empty_text_part_reaches_the_chat_tem
     start of the prompt gives [image, text], not an empty text part first (a template may render every part)."""
     (tmp_path / "f.jinja").write_text("\n\n  {{ content }} Think.\n\n\n")
     (tmp_path / "chat.jinja").write_text("{% for m in messages %}{% for c in m['content'] %}[{{ c['type'] }}:"
-                                         "{{ c['text'] if c['type'] == 'text' else '' }}]{% endfor %}{% endfor %}")
+                                         "{{ c.get('text', '<|image_pad|>') }}]{% endfor %}{% endfor %}")
     cfg = config(format_prompt=str(tmp_path / "f.jinja"), override_chat_template=str(tmp_path / "chat.jinja"))
     builder = data.PromptBuilder(cfg, data.load_processor(toy["vl_model"], cfg)[0], toy["vl_model"])
     row = {"problem": "<image>What?", "answer": "x", "images": [png(56, 56)]}
-    assert builder.prompt_text(row, "r0")[0] == "[image:][text:What? Think.]"
+    assert builder.prompt_text(row, "r0")[0] == "[image:<|image_pad|>][text:What? Think.]"
 
 
 def test_a_tokenizer_without_a_chat_template_is_an_error_naming_the_key(tmp_path, toy):
@@ -186,3 +186,43 @@ def test_a_tokenizer_without_a_chat_template_is_an_error_naming_the_key(tmp_path
     processor, _ = data.load_processor(str(tmp_path / "base"),
                                        config(override_chat_template=str(tmp_path / "chat.jinja")))
     assert processor.chat_template == (tmp_path / "chat.jinja").read_text()
+
+
+def test_a_format_template_must_use_content_and_nothing_else(tmp_path, toy):
+    """`{{ question }}` for `{{ content }}` rendered '' for every row (the question silently gone): an error at
+    start-up naming data.format_prompt and the file, as is any other variable (only `content` is given)."""
+    for body in ("Solve: {{ question }}\nAnswer in \\boxed{}.", "{{ content }} Hint: {{ hint }}", "Solve it."):
+        (tmp_path / "f.jinja").write_text(body)
+        with pytest.raises(data.DataError, match=re.escape(f"data.format_prompt ({tmp_path / 'f.jinja'})")):
+            builder(toy["text_model"], config(format_prompt=str(tmp_path / "f.jinja")))
+    for name in ("math", "r1v", "dapo"):  # the shipped templates use `content` only
+        built = builder(toy["text_model"], config(format_prompt=f"configs/format/{name}.jinja"))
+        assert "What is 3 + 4?" in built.prompt_text({"problem": "What is 3 + 4?", "answer": "7"}, "r0")[0]
+
+
+def test_a_chat_template_or_system_prompt_that_changes_the_placeholders_fails_at_start_up(tmp_path, toy):
+    """A chat template that writes a message's content list as text (no <|image_pad|>), or a system prompt holding
+    <|image_pad|>, passed the start-up check and failed at the first batch blaming the row."""
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    row = {"problem": "<image>What?", "answer": "red", "images": [png(56, 56)]}
+    text_row = {"problem": "What?", "answer": "red"}
+    over = builder(toy["vl_model"], config(override_chat_template=str(tmp_path / "chat.jinja")))
+    assert over.prompt_text(text_row, "r0")[0] == chat("What?")  # text rows are unchanged
+    with pytest.raises(data.DataError, match=r"r0: the chat template gave 0 <\|image_pad\|> for 1 image.*"
+                                             "data.override_chat_template"):
+        over.prompt_text(row, "r0")
+    with pytest.raises(data.DataError, match="r0: .*1 <\\|image_pad\\|> for 0 image.*data.system_prompt"):
+        builder(toy["vl_model"], config(system_prompt="Images come as <|image_pad|>.")).prompt_text(text_row, "r0")
+    pd.DataFrame([row, row]).to_parquet(tmp_path / "set.parquet")
+    with pytest.raises(data.DataError, match="set.parquet row 0: the chat template gave 0"):
+        data.check_rows(data.load_rows(str(tmp_path / "set.parquet"), config()), over)
+
+
+def test_an_empty_list_answer_is_no_answer(toy):
+    """str([]) is '[]', which passed the blank-answer check and became the ground truth."""
+    text = builder(toy["text_model"])
+    for answer in ([], (), {}):
+        with pytest.raises(data.DataError, match=re.escape(f"r3: no answer in column 'answer' ({answer!r})")):
+            text.prompt_text({"problem": "Q?", "answer": answer}, "r3")
+    assert text.build({"problem": "Q?", "answer": 0}, 3, "r3")["ground_truth"] == "0"

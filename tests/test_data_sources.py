@@ -1,0 +1,88 @@
+"""data.py's sources beyond test_data.py: Hugging Face Image / Video features left to data.py to decode, and a
+folder with one subfolder per split (the hub's and DatasetDict.save_to_disk's layouts)."""
+
+import io
+
+import datasets
+import pandas as pd
+import pyarrow.ipc
+import pyarrow.parquet
+import pytest
+from PIL import Image
+
+import data
+from test_data import builder, clip, config, png
+
+ROWS = [{"problem": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(4)]
+
+
+def rotated_jpeg():
+    """A 120x60 JPEG, left half red, right half blue, with EXIF orientation 6: shown 60x120, red on top."""
+    photo = Image.new("RGB", (120, 60), (255, 0, 0))
+    photo.paste((0, 0, 255), (60, 0, 120, 60))
+    exif = photo.getexif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    photo.save(buf, format="JPEG", exif=exif, quality=95)
+    return buf.getvalue()
+
+
+def image_feature_sources(tmp_path):
+    """The same three rows as a parquet and an arrow file with images: List(Image()) and a video:
+    List(Video()), as the hub writes them: an EXIF-rotated JPEG, junk bytes, a relative path with bytes None."""
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "images": datasets.List(datasets.Image()), "videos": datasets.List(datasets.Video())})
+    rows = {"problem": ["<image><video>Q?", "<image>Q?", "<image>Q?"], "answer": ["a", "b", "c"],
+            "images": [[{"bytes": rotated_jpeg(), "path": None}], [{"bytes": b"junk", "path": None}],
+                       [{"bytes": None, "path": "x.png"}]],
+            "videos": [[{"bytes": clip(4, fps=2), "path": None}], [], []]}
+    table = datasets.Dataset.from_dict(rows, features=features).data.table  # its schema carries the features
+    pyarrow.parquet.write_table(table, tmp_path / "hub.parquet")  # datasets' writers would embed x.png's bytes
+    with pyarrow.ipc.new_stream(tmp_path / "hub.arrow", table.schema) as stream:  # as save_to_disk writes
+        stream.write_table(table)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "x.png").write_bytes(png(70, 50, (10, 200, 30)))
+    return [tmp_path / "hub.parquet", tmp_path / "hub.arrow"]
+
+
+def test_image_and_video_features_are_decoded_by_data_py_naming_the_row(tmp_path, toy, monkeypatch):
+    """datasets decoded these when a row was read: a bare PIL error for the junk image (no file, no row, no
+    skip_bad_rows), x.png looked for in the working directory (image_dir ignored), and a Video feature needs
+    torchcodec. Now the rows hold {"bytes", "path"} and data.py decodes them: the same pixels as before."""
+    monkeypatch.chdir(tmp_path)  # x.png is not in the working directory: only image_dir finds it
+    cfg = config(image_dir=str(tmp_path / "img"))
+    vl = builder(toy["vl_model"], cfg)
+    for path in image_feature_sources(tmp_path):
+        rows = data.load_rows(str(path), cfg)
+        assert rows[1]["images"] == [{"bytes": b"junk", "path": None}], path
+        first = vl.build(rows[0], 0, rows.where(0))
+        # Stored 120x60, EXIF orientation 6: shown 60x120 (7200 px: in [3136, 12544], kept), red on top; the
+        # pixels of the image datasets decoded before, and of PIL's own decoding.
+        before = datasets.Image().decode_example({"bytes": rotated_jpeg(), "path": None})
+        assert first["images"][0].size == (60, 120) and first["images"][0].getpixel((30, 0))[0] > 240
+        assert first["images"][0].tobytes() == data.process_image(before, 3136, 12544).tobytes() == \
+            data.process_image(Image.open(io.BytesIO(rotated_jpeg())), 3136, 12544).tobytes()
+        assert first["videos"][0].shape == (4, 56, 56, 3)  # 4 frames at 2 fps: all 4 sampled, 56x56 kept
+        third = vl.build(rows[2], 2, rows.where(2))  # img/x.png, 70x50 = 3500 px: in range, kept
+        assert third["images"][0].size == (70, 50) and third["images"][0].getpixel((0, 0)) == (10, 200, 30)
+        with pytest.raises(data.DataError, match=rf"{path.name} row 1: image 0 of column 'images' is unreadable"):
+            data.check_rows(rows, vl)
+        assert data.check_rows(rows, vl, skip_bad=True) == [0, 2]
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
+def test_a_folder_with_one_subfolder_per_split(tmp_path, layout):
+    """ds/train/data-00000-of-00001.parquet (the hub's layout) or DatasetDict.save_to_disk's ds/train/*.arrow: the
+    split is matched against the folders under ds too; save_to_disk's own json files are no data."""
+    splits = {"train": ROWS[:3], "test": ROWS[3:], "pretrain": ROWS[:1]}  # pretrain: not a word starting 'train'
+    if layout == "parquet":
+        for split, rows in splits.items():
+            (tmp_path / "ds" / split).mkdir(parents=True)
+            pd.DataFrame(rows).to_parquet(tmp_path / "ds" / split / "data-00000-of-00001.parquet")
+    else:
+        datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in splits.items()}).save_to_disk(
+            str(tmp_path / "ds"))
+    for split in ("train", "test"):
+        rows = data.load_rows(f"{tmp_path / 'ds'}@{split}", config())
+        assert [rows[i] for i in range(len(rows))] == splits[split], split
+        assert rows.where(0).startswith(str(tmp_path / "ds" / split / "data-00000-of-00001."))
