@@ -78,6 +78,8 @@ class Run:
         if self.training_steps < 1:
             raise ConfigError(f"{batches} batches of {batch} prompts per epoch make no step of data.rollout_batch_size="
                               f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
+        if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
+            self._load_data_position(checkpoint)
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
@@ -252,7 +254,7 @@ class Run:
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
-            shutil.rmtree(path, ignore_errors=True)  # left by a run that stopped while saving this step
+            _remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
             try:
                 self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
                 torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
@@ -271,6 +273,14 @@ class Run:
         _write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
         _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
 
+    def _load_data_position(self, path):
+        try:  # the train loader's position, which must have been saved with this data config
+            self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
+        except ValueError as e:  # the loader's: another batch size, seed, shuffle or data
+            raise CheckpointError(f"cannot resume from {path}: {e}. Keep data.rollout_batch_size (mini_rollout_batch_"
+                                  f"size), seed, shuffle and train_files as saved, or start a new run from its merged "
+                                  f"model (merge.py) with trainer.find_last_checkpoint=false") from None
+
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
         if path is None:
@@ -283,12 +293,10 @@ class Run:
                     "set trainer.find_last_checkpoint=false (its files are moved aside)."
                     if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
-        self.train_loader.load_state_dict(torch.load(os.path.join(path, "dataloader.pt"), weights_only=True))
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
-        if os.path.dirname(os.path.abspath(path)) == self.ckpt_root:  # this run's own log: back to the checkpoint
-            self.logger.rewind(self.step)
+        self.logger.rewind(self.step)  # this run's log back to the checkpoint, wherever it lies: later steps run again
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):
@@ -490,17 +498,23 @@ class CheckpointError(RuntimeError):
 
 
 def _find_checkpoint(root, load_path, find_last):
-    """The global_step_N folder a run resumes from, or None for a fresh start (no tracker; or not `find_last`: the
-    earlier run's files then go aside); no Ray. An explicit `load_path` must be complete; else the tracker's or, if
-    incomplete (_checkpoint_problem) or the tracker unreadable, the newest complete one, said so; none: an error."""
+    """The global_step_N folder a run resumes from, or None for a fresh start (no checkpoint; or not `find_last`: the
+    earlier run's files then go aside); no Ray. An explicit `load_path` must be complete (one later in root: a warning);
+    else the tracker's or, if incomplete or the tracker missing or unreadable, the newest complete one, said so."""
     if load_path is not None:
-        if not STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path))) or not os.path.isdir(load_path):
+        name = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
+        if not name or not os.path.isdir(load_path):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
         if problem := _checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
+        if later := [s for s in _saved_steps(root) if s > int(name[1])
+                     and not _checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
+            print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"
+                  f"checkpoint_path={load_path}: the steps after {name[1]} run again, replacing their checkpoints and "
+                  f"log rows there; unset trainer.load_checkpoint_path to resume from it", flush=True)
         return load_path
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
+    tracker, steps, problems = os.path.join(root, TRACKER), _saved_steps(root)[::-1], []
+    if not steps and not os.path.exists(tracker):
         return None
     if not find_last:  # a fresh start: the earlier run's logs, tracker and checkpoints go to root/earlier_<time>/, so
         # that the new run neither cuts those logs nor overwrites or rotates away those checkpoints
@@ -512,9 +526,8 @@ def _find_checkpoint(root, load_path, find_last):
             os.rename(os.path.join(root, name), os.path.join(aside, name))
         print(f"trainer.find_last_checkpoint=false: the earlier run's files in {root} moved to {aside}", flush=True)
         return None
-    steps, problems = _saved_steps(root)[::-1], []
     last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
-    if problem:
+    if problem:  # unreadable, or missing: folders copied here, or a first save stopped before the tracker
         print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)
     else:
         if last not in steps:
@@ -528,6 +541,9 @@ def _find_checkpoint(root, load_path, find_last):
         if problems:
             print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
         return path
+    if not os.path.exists(tracker):  # e.g. a first save that stopped: a fresh start replaces it when reached
+        print(f"none is complete ({'; '.join(problems)}): starting afresh", flush=True)
+        return None
     raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
                           f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
                           f"afresh with trainer.find_last_checkpoint=false (they are moved aside) or another "
@@ -581,7 +597,22 @@ def _remove_old_checkpoints(root, step, best_step, limit):
     keep |= set([s for s in reversed(steps) if s not in keep][:max(limit - len(keep), 0)])
     for s in steps:
         if s not in keep:
-            shutil.rmtree(os.path.join(root, f"global_step_{s}"), ignore_errors=True)
+            _remove_checkpoint(os.path.join(root, f"global_step_{s}"))
+
+
+def _remove_checkpoint(path):
+    """Remove `path`, or of a folder that holds more (merge.py's actor/merged or actor/adapter, an --output) only the
+    files save_checkpoint wrote, saying what stays."""
+    names = {os.path.join(d, n) for d in ("", "actor") if os.path.isdir(os.path.join(path, d))
+             for n in os.listdir(os.path.join(path, d))}
+    own = names & {"actor/model", "actor/optim", "actor/extra_state.pt", "actor/huggingface", "dataloader.pt",
+                   "trainer_state.json"}
+    if not (kept := sorted(names - own - {"actor"})):
+        return shutil.rmtree(path, ignore_errors=True)
+    if own:  # none: removed, and said, before
+        print(f"{path}: removing the checkpoint but keeping what else is there: {', '.join(kept)}", flush=True)
+    for name in own:
+        (shutil.rmtree if os.path.isdir(os.path.join(path, name)) else os.remove)(os.path.join(path, name))
 
 
 def _ensure_toy_world(cfg):

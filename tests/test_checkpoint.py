@@ -83,6 +83,8 @@ def fake_run(root, cfg, training_steps=4):
     checkpoint = trainer._find_checkpoint(run.ckpt_root, cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
     run.logger = trainer.Logger(run.ckpt_root, cfg.trainer.logger, cfg)
     run.train_loader, run.workers = FakeLoader(), FakeWorkers()
+    if checkpoint:  # Run.__init__ loads the data's position before the workers start
+        run._load_data_position(checkpoint)
     run.kl_ctrl = advantage.FixedKLController(0.1)
     run.step, run.best = 0, {"best_global_step": None, "best_val_reward_score": None}
     run._resume(checkpoint)
@@ -151,16 +153,46 @@ def test_a_truncated_tracker_is_reported_and_the_newest_complete_checkpoint_used
     assert run.step == 2
 
 
-def test_no_tracker_is_a_fresh_start_and_no_complete_checkpoint_an_error(tmp_path):
+def test_no_tracker_and_no_complete_checkpoint_is_a_fresh_start_and_with_a_tracker_an_error(tmp_path, capsys):
     save_steps(tmp_path, [1])
     os.remove(tmp_path / trainer.TRACKER)  # the first save never finished
+    break_checkpoint(tmp_path / "global_step_1", "trainer_state.json missing")
     assert trainer._find_checkpoint(str(tmp_path), None, True) is None
+    assert "none is complete (global_step_1: trainer_state.json is missing): starting afresh" in capsys.readouterr().out
     save_steps(tmp_path, [1])
     break_checkpoint(tmp_path / "global_step_1", "extra_state.pt missing")
     with pytest.raises(trainer.CheckpointError, match=r"no complete checkpoint to resume from: global_step_1: "
                                                       r"actor/extra_state.pt is missing.*find_last_checkpoint=false"):
         trainer._find_checkpoint(str(tmp_path), None, True)
     assert trainer._find_checkpoint(str(tmp_path), None, False) is None
+
+
+def test_checkpoints_without_a_tracker_resume_from_the_newest_complete_one(tmp_path, capsys):
+    """global_step_N folders copied into a new save folder, or a tracker lost: before, a silent fresh start from step 1
+    that later overwrote or rotated them away."""
+    os.makedirs(tmp_path / "old")
+    os.makedirs(tmp_path / "new")
+    save_steps(tmp_path / "old", [1, 2, 3])
+    for step in (2, 3):
+        os.rename(tmp_path / "old" / f"global_step_{step}", tmp_path / "new" / f"global_step_{step}")
+    break_checkpoint(tmp_path / "new" / "global_step_3", "dataloader.pt missing")
+    run = fake_run(tmp_path / "new", make_cfg())
+    out = capsys.readouterr().out
+    assert run.step == 2 and run.train_loader.batch == 2 and run.workers.actor.optimizer_steps == 2
+    assert f"{tmp_path / 'new' / trainer.TRACKER} is missing; looking for the newest complete checkpoint" in out
+    assert f"resuming from {tmp_path / 'new' / 'global_step_2'}, the newest complete checkpoint; skipped: " \
+           f"global_step_3: dataloader.pt is missing" in out, out
+
+
+def test_a_fresh_start_moves_checkpoints_without_a_tracker_aside_too(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    os.remove(tmp_path / trainer.TRACKER)
+    save_steps(tmp_path, [1], find_last_checkpoint=False)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].glob("global_step_*")) == ["global_step_1",
+                                                                                         "global_step_2"]
+    assert trainer._checkpoint_problem(str(aside[0] / "global_step_2")) is None  # untouched
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_1"]
 
 
 def test_a_fresh_start_over_an_earlier_run_moves_its_files_aside(tmp_path):
@@ -237,6 +269,23 @@ def test_checkpoints_are_checked_before_ray_starts(tmp_path, toy, monkeypatch):
         trainer.Run(cfg)
 
 
+def test_another_data_config_is_a_one_line_checkpoint_error_before_ray_starts(tmp_path, toy, monkeypatch, capsys):
+    """Resumed with another data.rollout_batch_size: the loader's ValueError came after Ray started and the model
+    loaded (minutes for a 7B model), as a traceback."""
+    save_steps(tmp_path, [1])
+    torch.save({"epoch": 0, "batch": 1, "batch_size": 8}, tmp_path / "global_step_1" / "dataloader.pt")
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *args: pytest.fail("Ray started before the data was checked"))
+    code = trainer.main([f"data.train_files={toy['colors']}@train", f"data.val_files={toy['colors']}@test",
+                         f"worker.actor.model.model_path={toy['vl_model']}", "trainer.logger=[file]",
+                         f"trainer.save_checkpoint_path={tmp_path}", "data.rollout_batch_size=4",
+                         "worker.actor.global_batch_size=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"checkpoint error: cannot resume from {tmp_path / 'global_step_1'}: ")
+    assert "saved with batch_size=8, now it is 4" in err[0] and "Keep data.rollout_batch_size" in err[0]
+    assert "find_last_checkpoint=false" in err[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # B2 and the loop: after a kill at any point and a resume, each step's row once, in order
 # ----------------------------------------------------------------------------------------------
@@ -245,9 +294,9 @@ class Kill(BaseException):
     """A SIGKILL: nothing after it runs (not an Exception, so nothing catches it)."""
 
 
-def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None, logger=("file",)):
+def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None, logger=("file",), **trainer_keys):
     """Run.fit with a fake step that logs {"run": run_id} and records the step counter it ran at."""
-    run = fake_run(root, make_cfg(save_freq=save_freq, logger=list(logger)), training_steps)
+    run = fake_run(root, make_cfg(save_freq=save_freq, logger=list(logger), **trainer_keys), training_steps)
     run.validate = lambda: {"val/reward_score": 0.0}
 
     def train_step():
@@ -345,6 +394,22 @@ def test_after_a_kill_and_a_resume_tensorboard_shows_each_step_once(tmp_path, mo
     assert runs == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]  # step 3 once, from the resumed run
 
 
+def test_a_run_resumed_from_another_runs_checkpoint_and_run_again_logs_each_step_once(tmp_path, capsys):
+    """trainer.load_checkpoint_path into another run's folder, the command run twice: this run's log held steps
+    3, 4, 3, 4 (it was cut back only for a checkpoint in its own folder). The second time a warning says that this
+    folder holds a later complete checkpoint."""
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    save_steps(tmp_path / "a", [1, 2])
+    for run_id in (1, 2):
+        run_loop(tmp_path / "b", run_id, training_steps=4, load_checkpoint_path=str(tmp_path / "a" / "global_step_2"))
+    rows = [json.loads(line) for line in open(tmp_path / "b" / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"]) for r in rows] == [(3, 2), (4, 2)]
+    out = capsys.readouterr().out
+    assert out.count("warning") == 1 and f"warning: {tmp_path / 'b'} holds global_step_4, a complete checkpoint " \
+                                          f"later than trainer.load_checkpoint_path={tmp_path / 'a'}" in out, out
+
+
 def test_a_resume_with_no_step_left_says_so(tmp_path, capsys):
     run_loop(tmp_path, run_id=1, training_steps=4)
     run = run_loop(tmp_path, run_id=2, training_steps=4)
@@ -381,6 +446,34 @@ def test_a_failed_save_says_where_and_how_much_disk_is_left_and_keeps_the_last_c
         run.save_checkpoint({})
     run.logger.close()
     assert fake_run(tmp_path, make_cfg()).step == 1
+
+
+def test_rotation_and_a_step_saved_again_keep_what_merge_py_wrote_in_the_folder(tmp_path, capsys):
+    """merge.py's actor/merged in step 1 and an --output beside it, actor/adapter in step 3: save_limit's rotation and
+    the save of step 3 again (a resumed run reaching it once more) deleted them with the checkpoint, without a word."""
+    def write(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write("kept")
+
+    run = fake_run(tmp_path, make_cfg(save_limit=1))
+    for step in (1, 2, 3):
+        run.step = step
+        run.save_checkpoint({})
+        if step == 1:
+            write(tmp_path / "global_step_1" / "actor" / "merged" / "model.safetensors")
+            write(tmp_path / "global_step_1" / "export" / "config.json")  # merge.py --output global_step_1/export
+    write(tmp_path / "global_step_3" / "actor" / "adapter" / "adapter_model.safetensors")
+    run.save_checkpoint({})  # step 3 again
+    run.logger.close()
+    assert folders(tmp_path) == [1, 3]  # step 2 went whole
+    assert sorted(str(p.relative_to(tmp_path / "global_step_1")) for p in (tmp_path / "global_step_1").rglob("*")
+                  if p.is_file()) == ["actor/merged/model.safetensors", "export/config.json"]
+    assert (tmp_path / "global_step_3" / "actor" / "adapter" / "adapter_model.safetensors").read_text() == "kept"
+    assert trainer._checkpoint_problem(str(tmp_path / "global_step_3")) is None
+    out = capsys.readouterr().out
+    assert out.count(f"{tmp_path / 'global_step_1'}: removing the checkpoint but keeping what else is there: "
+                     f"actor/merged, export") == 1, out
+    assert f"{tmp_path / 'global_step_3'}: removing the checkpoint but keeping what else is there: actor/adapter" in out
 
 
 def folders(root):
@@ -452,7 +545,7 @@ def test_extra_state_and_dataloader_state_load_as_data_only(tmp_path):
     run.cfg, run.ckpt_root, run.workers, run.train_loader = make_cfg(), str(tmp_path / "b"), FakeWorkers(), FakeLoader()
     run.kl_ctrl, run.best = advantage.FixedKLController(0.1), {"best_global_step": None, "best_val_reward_score": None}
     with pytest.raises(Exception, match="Weights only load failed"):
-        run._resume(str(step))
+        run._load_data_position(str(step))
     assert not marker.exists()
     assert "dataloader.pt cannot be read (UnpicklingError" in trainer._checkpoint_problem(str(step))
 
