@@ -296,7 +296,8 @@ class Run:
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
-        self.logger.rewind(self.step)  # this run's log back to the checkpoint, wherever it lies: later steps run again
+        again = self.cfg.trainer.val_before_train or self.cfg.trainer.val_only  # step's generations logged again
+        self.logger.rewind(self.step, self.step - 1 if again else None)  # wherever it lies: later steps run again
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):
@@ -428,16 +429,17 @@ class Logger:
             f.flush()
             os.fsync(f.fileno())
 
-    def rewind(self, step):
+    def rewind(self, step, generations=None):
         """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: a fresh
-        start), saying what goes: a tail (rows are in step order) from the first row of a later step or cut short.
+        start; generations.log to `generations` if given: a resume that validates first logs step's generations
+        again), saying what goes: a tail (rows are in step order) from the first row of a later step or cut short.
         By step, not by byte size: a resumed run's validation rewrites the checkpoint's row (amend) to a new size.
         TensorBoard hides its earlier events of later steps (SummaryWriter's purge_step)."""
         self.purge_step = step + 1
-        for f in (self.jsonl, self.generations):
+        for f, last in ((self.jsonl, step), (self.generations, step if generations is None else generations)):
             lines = open(f.name, "rb").readlines()  # rows are {"step": N, ...}\n; no match: a row cut short
             rows = [re.match(rb'\{"step": (-?\d+)[,}]', line) if line.endswith(b"\n") else None for line in lines]
-            kept = next((i for i, row in enumerate(rows) if not row or int(row.group(1)) > step), len(lines))
+            kept = next((i for i, row in enumerate(rows) if not row or int(row.group(1)) > last), len(lines))
             if kept < len(lines):
                 os.truncate(f.name, sum(map(len, lines[:kept])))  # appends continue there (the file is O_APPEND)
                 print(f"{f.name}: dropped {len(lines) - kept} lines of later steps (they run again)", flush=True)
