@@ -525,7 +525,7 @@ def _read_file(path):
     try:
         return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train")
     except Exception as e:
-        raise DataError(f"{path}: not readable as a {extension} file: {e!r}") from e
+        raise DataError(f"{path}: not readable as a {extension} file: {e.__cause__ or e!r}") from e  # the parser's
 
 
 def _undecoded(part):

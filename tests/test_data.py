@@ -234,6 +234,9 @@ def test_an_empty_file_has_no_rows(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(data.DataError, match="bad.parquet: not readable as a .parquet file"):
         data.load_rows(str(tmp_path / "bad.parquet"), config())
+    (tmp_path / "bad.jsonl").write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n')
+    with pytest.raises(data.DataError, match=r"bad.jsonl: not readable as a .jsonl file: .*JSON parse error.* row 1"):
+        data.load_rows(str(tmp_path / "bad.jsonl"), config())  # the parser's message, not datasets' "An error .."
 
 
 def test_hub_name_at_split_goes_to_load_dataset(monkeypatch, toy):
