@@ -468,6 +468,7 @@ def test_rows_are_measured_in_filter_overlong_prompts_workers_processes(tmp_path
     def measure_and_record(self, row, where):
         with open(tmp_path / f"pid-{os.getpid()}", "a") as f:
             f.write(where + "\n")
+        time.sleep(0.05)  # so that one worker cannot take every row before the others start (a loaded machine)
         return measure(self, row, where)
 
     monkeypatch.setattr(data.PromptBuilder, "measure", measure_and_record)
@@ -476,7 +477,7 @@ def test_rows_are_measured_in_filter_overlong_prompts_workers_processes(tmp_path
     (tmp_path / f"pid-{os.getpid()}").unlink()
     assert data.check_rows(source, vl, workers=3, skip_bad=True) == one == [i for i in range(12) if i != 5]
     measured = {p.name: p.read_text().split("\n")[:-1] for p in tmp_path.glob("pid-*")}
-    assert len(measured) == 3 and f"pid-{os.getpid()}" not in measured
+    assert len(measured) >= 2 and f"pid-{os.getpid()}" not in measured  # in workers, more than one
     assert sorted(w for ws in measured.values() for w in ws) == sorted(source.where(i) for i in range(12))
     with pytest.raises(data.DataError, match="w.parquet row 5: no answer in column 'answer' .*skip_bad_rows"):
         data.check_rows(source, vl, workers=3)
