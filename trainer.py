@@ -1,5 +1,6 @@
-"""trainer.py: the command line, the GRPO loop, metrics, loggers and checkpoints. With workers.py (the Ray plumbing,
-which a first reading can skip) the only module that imports the stages; the config is config.py.
+"""trainer.py: the command line, the GRPO loop, metrics, validation, saving and resuming. With workers.py (the Ray
+plumbing, which a first reading can skip) the only module that imports the stages; the config is config.py, the
+run folder's files (logs, trackers, finding and rotating checkpoints) run_folder.py.
 
     python trainer.py                                                 # the offline toy (configs/toy.yaml)
     python trainer.py --config configs/geo3k.yaml worker.rollout.n=8  # Qwen2.5-VL-7B on Geometry3K, a key overridden
@@ -9,11 +10,8 @@ Run.train_step is the README's loop, a short block per stage; self.workers runs 
 
 import argparse
 import contextlib
-import functools
-import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -30,6 +28,8 @@ import reward
 import rollout
 from config import ConfigError, config_to_dict, load_config
 from modeling import apply_overrides
+from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoint, remove_checkpoint,
+                        remove_old_checkpoints, write_atomic)
 from workers import WorkerGroup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +59,7 @@ class Run:
             raise ConfigError(str(e)) from None
         self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
         os.makedirs(self.ckpt_root, exist_ok=True)
-        checkpoint = _find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
+        checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
         self.logger = Logger(self.ckpt_root, t.logger, cfg)
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)
@@ -254,7 +254,7 @@ class Run:
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
-            _remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
+            remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
             try:
                 self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
                 torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
@@ -269,9 +269,9 @@ class Run:
         self.logger.flush()  # the step's rows on disk before its checkpoint counts
         state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only,
                  **self.best}
-        _write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
-        _write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
-        _remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
+        write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
+        write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
+        remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
 
     def _load_data_position(self, path):
         try:  # the train loader's position, which must have been saved with this data config
@@ -282,7 +282,7 @@ class Run:
                                   f"model (merge.py) with trainer.find_last_checkpoint=false") from None
 
     def _resume(self, path):
-        """Load the checkpoint folder `path` (checked complete by _find_checkpoint), or start fresh when None."""
+        """Load the checkpoint folder `path` (checked complete by find_checkpoint), or start fresh when None."""
         if path is None:
             return self.logger.rewind(-1)  # an earlier attempt's rows: those steps run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
@@ -305,12 +305,7 @@ class Run:
         self.workers.shutdown()
 
 
-# --- Metrics, logging, checkpoints: helpers of the loop ----------------------------------------
-
-TRACKER = "checkpoint_tracker.json"
-LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
-STEP_FOLDER = re.compile(r"global_step_(0|[1-9]\d*)")  # a checkpoint's folder in the checkpoint root (as written: no 007)
-
+# --- Metrics: helpers of the loop ---------------------------------------------------------------
 
 def _sample(prompt, response):
     """One training sample (keys documented in actor.py) from a prompt and one of its responses."""
@@ -361,260 +356,6 @@ def timer(metrics, name):
     start = time.perf_counter()
     yield
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
-
-
-LOGGERS = {"console": None, "file": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
-           "swanlab": "swanlab"}  # trainer.logger entries -> the package each needs
-
-
-class Logger:
-    """Console (progress bar, a line per step), JSONL (always, appended), and TensorBoard, W&B, MLflow, SwanLab when
-    asked, as EasyR1 calls them (SwanLab reads SWANLAB_API_KEY, SWANLAB_DIR and SWANLAB_MODE)."""
-
-    def __init__(self, root, names, cfg):
-        for name in names:  # before anything is written: a missing package is a one-line error
-            if LOGGERS[name] and importlib.util.find_spec(LOGGERS[name]) is None:
-                raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
-                                  f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
-        self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
-        self.names, self.root, self.purge_step, self.jsonl_path = names, root, None, self.jsonl.name
-        t, config = cfg.trainer, config_to_dict(cfg)
-        _write_atomic(os.path.join(root, "experiment_config.json"), json.dumps(config, indent=2))
-        self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
-        if "tensorboard" in names:  # opened at the first row, with rewind's purge_step: a resumed step shows once
-            from torch.utils.tensorboard import SummaryWriter
-            tb = functools.cache(lambda: SummaryWriter(os.path.join(root, "tensorboard"), purge_step=self.purge_step))
-            self.sinks.append((lambda m, at: [tb().add_scalar(k, v, at) for k, v in m.items()], lambda: tb().close()))
-        if "wandb" in names:
-            import wandb
-            run = wandb.init(project=t.project_name, name=t.experiment_name, config=config, resume="allow")
-            self.sinks.append((lambda m, step: run.log(m, step=step), run.finish))
-        if "mlflow" in names:
-            import mlflow
-            import pandas
-            mlflow.start_run(run_name=t.experiment_name)
-            mlflow.log_params(pandas.json_normalize(config).to_dict("records")[0])  # one parameter per dotted key
-            self.sinks.append((lambda m, step: mlflow.log_metrics(m, step=step), mlflow.end_run))
-        if "swanlab" in names:
-            import swanlab
-            if os.environ.get("SWANLAB_API_KEY"):
-                swanlab.login(os.environ["SWANLAB_API_KEY"])
-            swanlab.init(project=t.project_name, experiment_name=t.experiment_name, config=config,
-                         logdir=os.environ.get("SWANLAB_DIR", os.path.join(root, "swanlab")),
-                         mode=os.environ.get("SWANLAB_MODE", "cloud"))
-            self.sinks.append((lambda m, step: swanlab.log(m, step=step), swanlab.finish))
-
-    def log(self, metrics, step, amend=False):
-        """One row per step in experiment_log.jsonl. amend: merge into the last row when it is `step`'s (a resumed
-        run's validation of the step it resumes from), replacing the file atomically, so no step has two rows."""
-        metrics = {k: float(v) for k, v in metrics.items()}
-        lines = open(self.jsonl_path).readlines() if amend else []
-        if lines and lines[-1].endswith("\n") and json.loads(lines[-1]).get("step") == step:
-            lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics}) + "\n"
-            self.jsonl.close()
-            _write_atomic(self.jsonl_path, "".join(lines))
-            self.jsonl = open(self.jsonl_path, "a")
-        else:
-            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.jsonl.flush()
-        if "console" in self.names:
-            keys = [k for k in ("reward/overall", "val/reward_score", "actor/pg_loss", "actor/entropy",
-                                "response_length/mean", "timing_s/step") if k in metrics]
-            tqdm.write(f"step {step}: " + "  ".join(f"{k}={metrics[k]:.4g}" for k in keys))
-        for log, _ in self.sinks:
-            log(metrics, step)
-
-    def flush(self):
-        for f in (self.jsonl, self.generations):
-            f.flush()
-            os.fsync(f.fileno())
-
-    def rewind(self, step, generations=None):
-        """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: a fresh
-        start; generations.log to `generations` if given: a resume that validates first logs step's generations
-        again), saying what goes: a tail (rows are in step order) from the first row of a later step or cut short.
-        By step, not by byte size: a resumed run's validation rewrites the checkpoint's row (amend) to a new size.
-        TensorBoard hides its earlier events of later steps (SummaryWriter's purge_step)."""
-        self.purge_step = step + 1
-        for f, last in ((self.jsonl, step), (self.generations, step if generations is None else generations)):
-            lines = open(f.name, "rb").readlines()  # rows are {"step": N, ...}\n; no match: a row cut short
-            rows = [re.match(rb'\{"step": (-?\d+)[,}]', line) if line.endswith(b"\n") else None for line in lines]
-            kept = next((i for i, row in enumerate(rows) if not row or int(row.group(1)) > last), len(lines))
-            if kept < len(lines):
-                os.truncate(f.name, sum(map(len, lines[:kept])))  # appends continue there (the file is O_APPEND)
-                print(f"{f.name}: dropped {len(lines) - kept} lines of later steps (they run again)", flush=True)
-
-    def log_generations(self, rows, step):
-        for row in rows:
-            self.generations.write(json.dumps({"step": step, **row}) + "\n")
-            if "console" in self.names:
-                tqdm.write(f"[prompt] {row['prompt']!r}\n[output] {row['response']!r}\n"
-                           f"[ground_truth] {row['ground_truth']!r} [score] {row['score']:.3f}")
-        self.generations.flush()
-
-    def plot(self):
-        """metrics.png: reward, accuracy, format score and response length by step (train, validation) from the log."""
-        try:
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return None
-        plt.switch_backend("Agg")
-        rows = [json.loads(line) for line in open(self.jsonl_path)]
-        panels = {"reward": ("reward/overall", "val/reward_score"),
-                  "accuracy": ("reward/accuracy", "val/accuracy_reward"),
-                  "format": ("reward/format", "val/format_reward"),
-                  "response length": ("response_length/mean", "val_response_length/mean")}
-        fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.5))
-        for ax, (title, keys) in zip(axes, panels.items()):
-            for key, label in zip(keys, ("train", "validation")):
-                points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
-                if points:
-                    ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
-            ax.set(title=title, xlabel="step")
-            if ax.lines:
-                ax.legend()
-        fig.tight_layout()
-        path = os.path.join(self.root, "metrics.png")
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        return path
-
-    def close(self):
-        for close in [self.jsonl.close, self.generations.close] + [close for _, close in self.sinks]:
-            close()
-
-
-def _write_atomic(path, text):
-    """Write `text` to a temporary file, flush it to disk, then rename it over `path`: `path` is whole or old."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def _find_checkpoint(root, load_path, find_last):
-    """The global_step_N folder a run resumes from, or None for a fresh start (no checkpoint; or not `find_last`: the
-    earlier run's files then go aside); no Ray. An explicit `load_path` must be complete (one later in root: a warning);
-    else the tracker's or, if incomplete or the tracker missing or unreadable, the newest complete one, said so."""
-    if load_path is not None:
-        name = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
-        if not name or not os.path.isdir(load_path):
-            raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
-        if problem := _checkpoint_problem(load_path):
-            raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
-        if later := [s for s in _saved_steps(root) if s > int(name[1])
-                     and not _checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
-            print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"
-                  f"checkpoint_path={load_path}: the steps after {name[1]} run again, replacing their checkpoints and "
-                  f"log rows there; unset trainer.load_checkpoint_path to resume from it", flush=True)
-        return load_path
-    tracker, steps, problems = os.path.join(root, TRACKER), _saved_steps(root)[::-1], []
-    if not steps and not os.path.exists(tracker):
-        return None
-    if not find_last:  # a fresh start: the earlier run's logs, tracker and checkpoints go to root/earlier_<time>/, so
-        # that the new run neither cuts those logs nor overwrites or rotates away those checkpoints
-        aside = os.path.join(root, time.strftime("earlier_%Y%m%d_%H%M%S"))
-        names = [n for n in os.listdir(root) if n in (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png",
-                                                       "tensorboard") or STEP_FOLDER.fullmatch(n)]
-        os.makedirs(aside)
-        for name in names:
-            os.rename(os.path.join(root, name), os.path.join(aside, name))
-        print(f"trainer.find_last_checkpoint=false: the earlier run's files in {root} moved to {aside}", flush=True)
-        return None
-    last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
-    if problem:  # unreadable, or missing: folders copied here, or a first save stopped before the tracker
-        print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)
-    else:
-        if last not in steps:
-            problems.append(f"global_step_{last} (named by the tracker) does not exist")
-        steps = [s for s in steps if s <= last]  # later folders were being written when the run stopped
-    for step in steps:
-        path = os.path.join(root, f"global_step_{step}")
-        if problem := _checkpoint_problem(path):
-            problems.append(f"global_step_{step}: {problem}")
-            continue
-        if problems:
-            print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
-        return path
-    if not os.path.exists(tracker):  # e.g. a first save that stopped: a fresh start replaces it when reached
-        print(f"none is complete ({'; '.join(problems)}): starting afresh", flush=True)
-        return None
-    raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
-                          f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
-                          f"afresh with trainer.find_last_checkpoint=false (they are moved aside) or another "
-                          f"trainer.save_checkpoint_path")
-
-
-def _checkpoint_problem(path):
-    """None when the folder holds every file a resume reads, else what is wrong, in words: trainer_state.json,
-    dataloader.pt and actor/extra_state.pt load; actor/model and actor/optim hold every shard their .metadata names."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    state, problem = _load(path, "trainer_state.json", lambda p: json.load(open(p)))
-    if problem or not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
-        return problem or "trainer_state.json lacks global_step or kl_coef"
-    if not state.get("resumable", True):
-        return "trainer.save_model_only=true saved no optimizer state: it cannot be resumed (merge it with merge.py)"
-    for name in ("dataloader.pt", "actor/extra_state.pt"):
-        if problem := _load(path, name, lambda p: torch.load(p, weights_only=True))[1]:
-            return problem
-    for name in ("actor/model", "actor/optim"):
-        metadata, problem = _load(path, name, lambda p: FileSystemReader(p).read_metadata())
-        if problem:
-            return problem
-        for info in metadata.storage_data.values():
-            shard = os.path.join(path, name, info.relative_path)
-            if not os.path.exists(shard) or os.path.getsize(shard) < info.offset + info.length:
-                return f"{name}/{info.relative_path} is missing or truncated"
-    return None
-
-
-def _load(folder, name, load):
-    """(load(folder/name), None), or (None, in words why it cannot be loaded): missing, truncated, not JSON..."""
-    try:
-        return load(os.path.join(folder, name)), None
-    except FileNotFoundError:
-        return None, f"{name} is missing"
-    except Exception as e:  # truncated, or not plain tensors and containers
-        return None, f"{name} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-
-
-def _saved_steps(root):
-    return sorted(int(m.group(1)) for n in os.listdir(root) if (m := STEP_FOLDER.fullmatch(n)))
-
-
-def _remove_old_checkpoints(root, step, best_step, limit):
-    """Keep the newest `limit` checkpoints up to `step` (the best by validation counts toward them and is never
-    removed); a later folder, left by a stopped run, is neither counted nor removed (it is replaced when reached)."""
-    if limit <= 0:
-        return
-    steps, keep = [s for s in _saved_steps(root) if s <= step], {step, best_step} - {None}
-    keep |= set([s for s in reversed(steps) if s not in keep][:max(limit - len(keep), 0)])
-    for s in steps:
-        if s not in keep:
-            _remove_checkpoint(os.path.join(root, f"global_step_{s}"))
-
-
-def _remove_checkpoint(path):
-    """Remove `path`, or of a folder that holds more (merge.py's actor/merged or actor/adapter, an --output) only the
-    files save_checkpoint wrote, saying what stays."""
-    names = {os.path.join(d, n) for d in ("", "actor") if os.path.isdir(os.path.join(path, d))
-             for n in os.listdir(os.path.join(path, d))}
-    own = names & {"actor/model", "actor/optim", "actor/extra_state.pt", "actor/huggingface", "dataloader.pt",
-                   "trainer_state.json"}
-    if not (kept := sorted(names - own - {"actor"})):
-        return shutil.rmtree(path, ignore_errors=True)
-    if own:  # none: removed, and said, before
-        print(f"{path}: removing the checkpoint but keeping what else is there: {', '.join(kept)}", flush=True)
-    for name in own:
-        (shutil.rmtree if os.path.isdir(os.path.join(path, name)) else os.remove)(os.path.join(path, name))
 
 
 def _ensure_toy_world(cfg):

@@ -12,6 +12,7 @@ import torch
 
 import actor
 import advantage
+import run_folder
 import trainer
 from config import Config, OptimConfig, load_config
 
@@ -80,8 +81,8 @@ def fake_run(root, cfg, training_steps=4):
     """Run.__init__'s checkpoint and resume path, with fakes for the data, the workers and a step."""
     run = object.__new__(trainer.Run)
     run.cfg, run.ckpt_root, run.training_steps = cfg, str(root), training_steps
-    checkpoint = trainer._find_checkpoint(run.ckpt_root, cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
-    run.logger = trainer.Logger(run.ckpt_root, cfg.trainer.logger, cfg)
+    checkpoint = run_folder.find_checkpoint(run.ckpt_root, cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
+    run.logger = run_folder.Logger(run.ckpt_root, cfg.trainer.logger, cfg)
     run.train_loader, run.workers = FakeLoader(), FakeWorkers()
     if checkpoint:  # Run.__init__ loads the data's position before the workers start
         run._load_data_position(checkpoint)
@@ -146,25 +147,25 @@ def test_a_checkpoint_found_complete_resumes_it_silently(tmp_path, capsys):
 def test_a_truncated_tracker_is_reported_and_the_newest_complete_checkpoint_used(tmp_path, capsys):
     save_steps(tmp_path, [1, 2, 3])
     break_checkpoint(tmp_path / "global_step_3", "dataloader.pt missing")
-    (tmp_path / trainer.TRACKER).write_text('{"last_global_st')
+    (tmp_path / run_folder.TRACKER).write_text('{"last_global_st')
     run = fake_run(tmp_path, make_cfg())
     out = capsys.readouterr().out
-    assert f"{tmp_path / trainer.TRACKER} cannot be read (JSONDecodeError" in out
+    assert f"{tmp_path / run_folder.TRACKER} cannot be read (JSONDecodeError" in out
     assert run.step == 2
 
 
 def test_no_tracker_and_no_complete_checkpoint_is_a_fresh_start_and_with_a_tracker_an_error(tmp_path, capsys):
     save_steps(tmp_path, [1])
-    os.remove(tmp_path / trainer.TRACKER)  # the first save never finished
+    os.remove(tmp_path / run_folder.TRACKER)  # the first save never finished
     break_checkpoint(tmp_path / "global_step_1", "trainer_state.json missing")
-    assert trainer._find_checkpoint(str(tmp_path), None, True) is None
+    assert run_folder.find_checkpoint(str(tmp_path), None, True) is None
     assert "none is complete (global_step_1: trainer_state.json is missing): starting afresh" in capsys.readouterr().out
     save_steps(tmp_path, [1])
     break_checkpoint(tmp_path / "global_step_1", "extra_state.pt missing")
-    with pytest.raises(trainer.CheckpointError, match=r"no complete checkpoint to resume from: global_step_1: "
+    with pytest.raises(run_folder.CheckpointError, match=r"no complete checkpoint to resume from: global_step_1: "
                                                       r"actor/extra_state.pt is missing.*find_last_checkpoint=false"):
-        trainer._find_checkpoint(str(tmp_path), None, True)
-    assert trainer._find_checkpoint(str(tmp_path), None, False) is None
+        run_folder.find_checkpoint(str(tmp_path), None, True)
+    assert run_folder.find_checkpoint(str(tmp_path), None, False) is None
 
 
 def test_checkpoints_without_a_tracker_resume_from_the_newest_complete_one(tmp_path, capsys):
@@ -179,19 +180,19 @@ def test_checkpoints_without_a_tracker_resume_from_the_newest_complete_one(tmp_p
     run = fake_run(tmp_path / "new", make_cfg())
     out = capsys.readouterr().out
     assert run.step == 2 and run.train_loader.batch == 2 and run.workers.actor.optimizer_steps == 2
-    assert f"{tmp_path / 'new' / trainer.TRACKER} is missing; looking for the newest complete checkpoint" in out
+    assert f"{tmp_path / 'new' / run_folder.TRACKER} is missing; looking for the newest complete checkpoint" in out
     assert f"resuming from {tmp_path / 'new' / 'global_step_2'}, the newest complete checkpoint; skipped: " \
            f"global_step_3: dataloader.pt is missing" in out, out
 
 
 def test_a_fresh_start_moves_checkpoints_without_a_tracker_aside_too(tmp_path):
     save_steps(tmp_path, [1, 2])
-    os.remove(tmp_path / trainer.TRACKER)
+    os.remove(tmp_path / run_folder.TRACKER)
     save_steps(tmp_path, [1], find_last_checkpoint=False)
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].glob("global_step_*")) == ["global_step_1",
                                                                                          "global_step_2"]
-    assert trainer._checkpoint_problem(str(aside[0] / "global_step_2")) is None  # untouched
+    assert run_folder.checkpoint_problem(str(aside[0] / "global_step_2")) is None  # untouched
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_1"]
 
 
@@ -206,7 +207,7 @@ def test_a_fresh_start_over_an_earlier_run_moves_its_files_aside(tmp_path):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
     assert len(aside) == 1 and (aside[0] / "experiment_log.jsonl").read_text() == old_rows
     assert sorted(p.name for p in aside[0].glob("global_step_*")) == ["global_step_1", "global_step_2"]
-    assert json.load(open(aside[0] / trainer.TRACKER))["last_global_step"] == 2
+    assert json.load(open(aside[0] / run_folder.TRACKER))["last_global_step"] == 2
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_1"]
     assert [json.loads(line)["step"] for line in open(tmp_path / "experiment_log.jsonl")] == [1]
     assert fake_run(tmp_path, make_cfg()).step == 1  # the new run's checkpoint resumes
@@ -216,17 +217,17 @@ def test_an_explicit_checkpoint_must_be_complete(tmp_path):
     save_steps(tmp_path, [1, 2])
     break_checkpoint(tmp_path / "global_step_2", "optim missing")
     path = str(tmp_path / "global_step_2")
-    with pytest.raises(trainer.CheckpointError, match=r"cannot resume from .*global_step_2: actor/optim is missing"):
-        trainer._find_checkpoint(str(tmp_path), path, True)
-    assert trainer._find_checkpoint(str(tmp_path), str(tmp_path / "global_step_1"), True).endswith("global_step_1")
-    with pytest.raises(trainer.CheckpointError, match="must be an existing global_step_N folder"):
-        trainer._find_checkpoint(str(tmp_path), str(tmp_path / "global_step_7"), True)
+    with pytest.raises(run_folder.CheckpointError, match=r"cannot resume from .*global_step_2: actor/optim is missing"):
+        run_folder.find_checkpoint(str(tmp_path), path, True)
+    assert run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_1"), True).endswith("global_step_1")
+    with pytest.raises(run_folder.CheckpointError, match="must be an existing global_step_N folder"):
+        run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_7"), True)
 
 
 def test_a_save_model_only_checkpoint_is_not_resumed(tmp_path):
     save_steps(tmp_path, [1], save_model_only=True)
-    with pytest.raises(trainer.CheckpointError, match="save_model_only=true .* merge.py"):
-        trainer._find_checkpoint(str(tmp_path), None, True)
+    with pytest.raises(run_folder.CheckpointError, match="save_model_only=true .* merge.py"):
+        run_folder.find_checkpoint(str(tmp_path), None, True)
 
 
 def test_the_actor_refuses_a_checkpoint_without_optimizer_or_extra_state(tmp_path):
@@ -265,7 +266,7 @@ def test_checkpoints_are_checked_before_ray_starts(tmp_path, toy, monkeypatch):
     cfg = load_config(None, [f"data.train_files={toy['colors']}@train", f"data.val_files={toy['colors']}@test",
                                      f"worker.actor.model.model_path={toy['vl_model']}", "trainer.logger=[file]",
                                      f"trainer.save_checkpoint_path={tmp_path}"])
-    with pytest.raises(trainer.CheckpointError, match="global_step_1: trainer_state.json cannot be read"):
+    with pytest.raises(run_folder.CheckpointError, match="global_step_1: trainer_state.json cannot be read"):
         trainer.Run(cfg)
 
 
@@ -315,13 +316,13 @@ def run_loop(root, run_id, training_steps=6, save_freq=2, seen=None, logger=("fi
 
 def kill_at(monkeypatch, when, step):
     """Patch the loop to die at `when` in step `step` of a run with checkpoints every 2 steps."""
-    write, remove_old, log = trainer._write_atomic, trainer._remove_old_checkpoints, trainer.Logger.log
+    write, remove_old, log = trainer.write_atomic, trainer.remove_old_checkpoints, run_folder.Logger.log
 
     def write_then_die(path, text):
-        saved = json.loads(text) if path.endswith(("trainer_state.json", trainer.TRACKER)) else {}
+        saved = json.loads(text) if path.endswith(("trainer_state.json", run_folder.TRACKER)) else {}
         if when == "before trainer_state.json" and path.endswith("trainer_state.json") and saved["global_step"] == step:
             raise Kill
-        if when == "before the tracker" and path.endswith(trainer.TRACKER) and saved["last_global_step"] == step:
+        if when == "before the tracker" and path.endswith(run_folder.TRACKER) and saved["last_global_step"] == step:
             raise Kill
         write(path, text)
 
@@ -339,9 +340,9 @@ def kill_at(monkeypatch, when, step):
         if at == step and when == "after the row":
             raise Kill
 
-    monkeypatch.setattr(trainer, "_write_atomic", write_then_die)
-    monkeypatch.setattr(trainer, "_remove_old_checkpoints", remove_old_then_die)
-    monkeypatch.setattr(trainer.Logger, "log", log_then_die)
+    monkeypatch.setattr(trainer, "write_atomic", write_then_die)
+    monkeypatch.setattr(trainer, "remove_old_checkpoints", remove_old_then_die)
+    monkeypatch.setattr(run_folder.Logger, "log", log_then_die)
 
 
 @pytest.mark.parametrize("when, step, resumed", [
@@ -470,7 +471,7 @@ def test_rotation_and_a_step_saved_again_keep_what_merge_py_wrote_in_the_folder(
     assert sorted(str(p.relative_to(tmp_path / "global_step_1")) for p in (tmp_path / "global_step_1").rglob("*")
                   if p.is_file()) == ["actor/merged/model.safetensors", "export/config.json"]
     assert (tmp_path / "global_step_3" / "actor" / "adapter" / "adapter_model.safetensors").read_text() == "kept"
-    assert trainer._checkpoint_problem(str(tmp_path / "global_step_3")) is None
+    assert run_folder.checkpoint_problem(str(tmp_path / "global_step_3")) is None
     out = capsys.readouterr().out
     assert out.count(f"{tmp_path / 'global_step_1'}: removing the checkpoint but keeping what else is there: "
                      f"actor/merged, export") == 1, out
@@ -484,15 +485,15 @@ def folders(root):
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     for step in (5, 10, 15, 20, 25, 30):
         os.makedirs(tmp_path / f"global_step_{step}")
-    trainer._remove_old_checkpoints(str(tmp_path), 30, 10, 3)  # EasyR1's own case: keeps 10, 25 and 30
+    run_folder.remove_old_checkpoints(str(tmp_path), 30, 10, 3)  # EasyR1's own case: keeps 10, 25 and 30
     assert folders(tmp_path) == [10, 25, 30]
-    trainer._remove_old_checkpoints(str(tmp_path), 30, None, 2)
+    run_folder.remove_old_checkpoints(str(tmp_path), 30, None, 2)
     assert folders(tmp_path) == [25, 30]
-    trainer._remove_old_checkpoints(str(tmp_path), 30, None, -1)  # save_limit <= 0 keeps all
+    run_folder.remove_old_checkpoints(str(tmp_path), 30, None, -1)  # save_limit <= 0 keeps all
     assert folders(tmp_path) == [25, 30]
     for step in (35, 40):  # 40: a stopped run's later folder, not counted toward the limit and not removed
         os.makedirs(tmp_path / f"global_step_{step}")
-    trainer._remove_old_checkpoints(str(tmp_path), 35, None, 2)
+    run_folder.remove_old_checkpoints(str(tmp_path), 35, None, 2)
     assert folders(tmp_path) == [30, 35, 40]
 
 
@@ -505,7 +506,7 @@ def test_save_limit_and_the_best_validation_score_across_a_resume(tmp_path):
         run.save_checkpoint({"val/reward_score": score})
         assert folders(tmp_path) == remain
     run.logger.close()
-    assert json.load(open(tmp_path / trainer.TRACKER)) == {"last_global_step": 4, "best_global_step": 2,
+    assert json.load(open(tmp_path / run_folder.TRACKER)) == {"last_global_step": 4, "best_global_step": 2,
                                                           "best_val_reward_score": 0.9}
     run = fake_run(tmp_path, make_cfg(save_limit=2))
     assert run.step == 4 and run.best == {"best_global_step": 2, "best_val_reward_score": 0.9}
@@ -548,7 +549,7 @@ def test_extra_state_and_dataloader_state_load_as_data_only(tmp_path):
     with pytest.raises(Exception, match="Weights only load failed"):
         run._load_data_position(str(step))
     assert not marker.exists()
-    assert "dataloader.pt cannot be read (UnpicklingError" in trainer._checkpoint_problem(str(step))
+    assert "dataloader.pt cannot be read (UnpicklingError" in run_folder.checkpoint_problem(str(step))
 
 
 def test_a_local_ray_listens_on_the_loopback_only(tmp_path):
@@ -590,7 +591,7 @@ def test_the_command_line_says_a_checkpoint_error_in_one_line(tmp_path, capsys):
 def test_save_limit_zero_keeps_every_checkpoint(tmp_path):
     for step in (1, 2, 3):
         os.makedirs(tmp_path / f"global_step_{step}")
-    trainer._remove_old_checkpoints(str(tmp_path), 3, 1, 0)  # <= 0: keep all (as -1), not "keep only step and best"
+    run_folder.remove_old_checkpoints(str(tmp_path), 3, 1, 0)  # <= 0: keep all (as -1), not "keep only step and best"
     assert folders(tmp_path) == [1, 2, 3]
 
 
@@ -599,9 +600,9 @@ def test_a_hand_made_zero_padded_step_folder_is_left_alone(tmp_path):
     toward save_limit nor removes it, and it is not a checkpoint to resume from."""
     for name in ("global_step_1", "global_step_2", "global_step_007"):
         os.makedirs(tmp_path / name)
-    trainer._remove_old_checkpoints(str(tmp_path), 9, None, 3)  # step 9 (being saved), 2 and 1: the newest 3
+    run_folder.remove_old_checkpoints(str(tmp_path), 9, None, 3)  # step 9 (being saved), 2 and 1: the newest 3
     assert sorted(os.listdir(tmp_path)) == ["global_step_007", "global_step_1", "global_step_2"]
-    assert trainer._saved_steps(str(tmp_path)) == [1, 2]
+    assert run_folder.saved_steps(str(tmp_path)) == [1, 2]
 
 
 def test_the_best_checkpoint_is_the_first_to_reach_the_top_score(tmp_path):
@@ -620,7 +621,7 @@ def test_rewind_cuts_generations_log_back_too(tmp_path, capsys):
     """generations.log rows of steps 1, 2, 3 and one cut short: rewind(2) keeps those of steps 1 and 2 (they are in
     the checkpoint; step 3 runs again and logs its generations again)."""
     cfg = load_config(None, ["trainer.logger=[file]"])
-    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     for step in (1, 2, 3):
         logger.log_generations([{"prompt": "p", "response": f"r{step}", "ground_truth": "g", "score": 1.0}], step)
     logger.generations.write('{"step": 4, "pro')  # killed while writing
@@ -629,7 +630,7 @@ def test_rewind_cuts_generations_log_back_too(tmp_path, capsys):
     logger.close()
     assert [json.loads(line)["response"] for line in open(tmp_path / "generations.log")] == ["r1", "r2"]
     assert "generations.log: dropped 2 lines of later steps" in capsys.readouterr().out
-    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.rewind(2, generations=1)  # a resume at step 2 that validates first: step 2's rows are logged again
     logger.close()
     assert [json.loads(line)["response"] for line in open(tmp_path / "generations.log")] == ["r1"]

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+import run_folder
 import trainer
 import workers
 from config import ActorConfig, ConfigError, OptimConfig, load_config
@@ -100,7 +101,7 @@ def test_mlflow_and_swanlab_loggers_log_every_step(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "swanlab", fake_module("swanlab", calls))
     monkeypatch.setenv("SWANLAB_MODE", "offline")
     cfg = load_config(None, ["trainer.logger=[file,mlflow,swanlab]", "trainer.experiment_name=exp"])
-    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.log({"reward/overall": 0.5}, step=3)
     logger.close()
     names = [(m, f) for m, f, _, _ in calls]
@@ -138,7 +139,7 @@ def test_missing_logger_package_is_a_one_line_error_before_anything_is_written(t
     cfg = load_config(None, [f"trainer.logger=[file,{name}]"])
     with pytest.raises(ConfigError, match=f"trainer.logger has {name}, but the {name} package is not installed: "
                                           f"pip install {name}"):
-        trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+        run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -475,7 +476,7 @@ def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
     """Resumed at step 2 (the log cut back to rows 1 and 2), validation before training amends row 2 in place:
     each step keeps exactly one row; with no row of that step (a fresh log) it is a row of its own."""
     cfg = load_config(None, ["trainer.logger=[file]"])
-    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.log({"reward/overall": 0.1}, 1)
     logger.log({"reward/overall": 0.2, "val/reward_score": 0.5}, 2)
     logger.log({"val/reward_score": 0.7}, 2, amend=True)
@@ -485,7 +486,7 @@ def test_a_resumed_validation_joins_the_row_of_its_step(tmp_path):
     assert rows == [{"step": 1, "reward/overall": 0.1}, {"step": 2, "reward/overall": 0.2, "val/reward_score": 0.7},
                     {"step": 3, "reward/overall": 0.3}]
     (tmp_path / "fresh").mkdir()
-    logger = trainer.Logger(str(tmp_path / "fresh"), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path / "fresh"), cfg.trainer.logger, cfg)
     logger.log({"val/reward_score": 0.4}, 5, amend=True)
     logger.close()
     assert [json.loads(line) for line in open(tmp_path / "fresh" / "experiment_log.jsonl")] == \
@@ -497,7 +498,7 @@ def test_a_log_resumed_twice_from_one_checkpoint_stays_whole(tmp_path, capsys):
     during step 3: rewind(2) keeps rows up to step 2 whole, whatever their length now, and drops the rest; a line
     cut short by a crash goes too. A rewind by the byte size saved with the checkpoint cut row 2 in half."""
     cfg = load_config(None, ["trainer.logger=[file]"])
-    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.log({"val/reward_score": 0.1}, 0)
     logger.log({"reward/overall": 0.1}, 1)
     logger.log({"reward/overall": 0.2}, 2)
@@ -513,7 +514,7 @@ def test_a_log_resumed_twice_from_one_checkpoint_stays_whole(tmp_path, capsys):
     assert rows == [{"step": 0, "val/reward_score": 0.1}, {"step": 1, "reward/overall": 0.1},
                     {"step": 2, "reward/overall": 0.2, "val/reward_score": 0.5}]
     assert "experiment_log.jsonl: dropped 2 lines of later steps" in capsys.readouterr().out
-    logger = trainer.Logger(str(tmp_path), cfg.trainer.logger, cfg)
+    logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.rewind(-1)  # a fresh start: every row goes
     logger.close()
     assert (tmp_path / "experiment_log.jsonl").read_text() == ""
