@@ -16,6 +16,7 @@ A user's file sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwar
 "sequential" (fn(input, **kwargs) -> dict, as the built-ins).
 """
 
+import atexit
 import contextlib
 import ctypes
 import copy
@@ -54,7 +55,12 @@ def load_reward_function(spec, call_timeout=None, **kwargs):
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # so that dataclasses and pickling inside the file work
-    module_spec.loader.exec_module(module)
+    if (folder := os.path.dirname(os.path.abspath(path))) not in sys.path:
+        sys.path.append(folder)  # its sibling files import, as when it runs as a script (appended: shadows nothing)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error, or a package it imports that is not installed (EasyR1's need mathruler)
+        raise RewardError(f"reward_function={spec!r}: {path} failed to load: {type(e).__name__}: {e}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
@@ -85,9 +91,10 @@ class RewardFunction:
             raise RewardError(f"reward function {name!r} cannot take the keyword arguments {sorted(self.kwargs)} "
                               f"(worker.reward.reward_function_kwargs): {e}") from None
         if call_timeout is not None:
-            if not call_timeout > 0:
-                raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0, "
-                                  f"or null for no limit")
+            if not 0 < call_timeout <= 1e6:  # the pipe's poll takes at most ~24 days
+                raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0 and "
+                                  f"at most 1e6, or null for no limit")
+            atexit.register(self.close)  # the reward process ends with the trainer, before modules are torn down
             self._start()
 
     def __call__(self, inputs):
@@ -106,6 +113,8 @@ class RewardFunction:
         """result as {key: float}, or a RewardError: not a dict, no "overall", non-finite, keys changed."""
         if not isinstance(result, dict):
             raise self._error(inputs, i, f"returned {type(result).__name__}, not a dict of floats")
+        if not all(isinstance(key, str) for key in result):
+            raise self._error(inputs, i, f"returned keys {list(result)}; they must be strings (metric names)")
         if "overall" not in result:
             raise self._error(inputs, i, f"returned keys {sorted(result)} without 'overall'")
         if result.keys() != first.keys():  # sample 0 passed these checks first
@@ -130,7 +139,7 @@ class RewardFunction:
         if self.call_timeout is None:
             try:
                 return self.fn(arg, **self.kwargs)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # sys.exit (argparse in a helper) must not end the trainer with 0
                 raise self._error(inputs, i, f"raised {type(e).__name__}: {e}") from e
         if self._worker is None or not self._worker[0].is_alive():
             self.close()
@@ -155,12 +164,10 @@ class RewardFunction:
         raise self._error(inputs, i, f"raised {reply[1]}") from RuntimeError(f"in the reward process:\n{reply[2]}")
 
     def _error(self, inputs, i, what):
-        """The RewardError for sample i, or for the batch (i None) once no sample fails alone."""
+        """The RewardError for sample i, or for the batch (i None: not called again one sample at a time, which
+        would repeat its side effects, such as paid requests; the traceback, chained, says where it failed)."""
         if i is None:
-            for j in range(len(inputs)):  # name the first sample that also fails alone, if one does
-                self._call(inputs, j)
-            return RewardError(f"reward function {self.name!r} {what} on a batch of {len(inputs)} "
-                               f"(no single sample fails alone)")
+            return RewardError(f"reward function {self.name!r} {what} on a batch of {len(inputs)} inputs")
         return RewardError(f"reward function {self.name!r} {what} on sample {i} "
                            f"(ground_truth={inputs[i].get('ground_truth')!r}, response starts "
                            f"{str(inputs[i].get('response'))[:200]!r}). Fix the function so it returns a dict of "
@@ -192,6 +199,9 @@ def _serve(fn, kwargs, pipe, trainer_end):
     """The reward process: call fn on each argument received, send back ("ok", result) or ("raised",
     "Type: message", traceback text), until the trainer closes the pipe or ends."""
     trainer_end.close()  # the copy forked here: while open, a trainer that dies would leave this process waiting
+    multiprocessing.current_process().daemon = False  # fn may start processes (a Pool); the trainer still ends it
+    if "torch" in sys.modules:  # forked after torch's OpenMP threads ran: a parallel op here would wait on them
+        sys.modules["torch"].set_num_threads(1)  # forever (as torch's DataLoader workers, one thread each)
     os.setpgid(0, 0)  # its own process group (the trainer sets it too), before the guard below joins it
     with contextlib.suppress(AttributeError, OSError):  # Linux: killed with the trainer, also during a hung call
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -341,7 +351,7 @@ def is_equivalent(answer, ground_truth, timeout=10.0):
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
     if not answer or answer == ground_truth:  # an empty answer is never right
         return bool(answer)
-    seconds = max(1, math.ceil(timeout)) if timeout > 0 else None
+    seconds = math.ceil(min(max(timeout, 1), 2**31 - 1)) if timeout > 0 else None  # SIGALRM's limit: 68 years
     if seconds and threading.current_thread() is not threading.main_thread():
         raise RuntimeError("the math grader's timeout uses SIGALRM, which only works in the main thread: "
                            "call the reward function from the main thread, or pass timeout=0 (no timeout)")

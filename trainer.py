@@ -100,8 +100,8 @@ class Run:
                 self.step += 1
                 try:
                     metrics = self.train_step()
-                except RuntimeError as error:  # a worker failed or died: say where, then stop
-                    raise RuntimeError(f"training stopped at step {self.step}: {error}") from None
+                except RuntimeError as error:  # a worker or the reward function failed: say where, then stop
+                    raise RuntimeError(f"training stopped at step {self.step}: {error}") from error.__cause__
                 last = self.step == self.training_steps
                 if last or (t.val_freq > 0 and self.step % t.val_freq == 0):  # the last step always validates
                     with timer(metrics, "validation"):

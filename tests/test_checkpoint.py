@@ -634,3 +634,22 @@ def test_rewind_cuts_generations_log_back_too(tmp_path, capsys):
     logger.rewind(2, generations=1)  # a resume at step 2 that validates first: step 2's rows are logged again
     logger.close()
     assert [json.loads(line)["response"] for line in open(tmp_path / "generations.log")] == ["r1"]
+
+
+def test_a_failed_step_keeps_the_reward_functions_traceback(tmp_path):
+    """fit's 'training stopped at step N' kept only the message (from None): the reward function's own traceback,
+    chained by reward.py, was gone, so a KeyError in it could not be found in the user's file."""
+    run = fake_run(tmp_path, make_cfg(save_freq=-1))
+    user_error = KeyError("missing_key_in_user_code")
+
+    def train_step():
+        if run.step == 2:
+            raise RuntimeError("reward function 'mine.py:main' raised KeyError on sample 3") from user_error
+        return {"run": 1}
+
+    run.train_step = train_step
+    with pytest.raises(RuntimeError, match="training stopped at step 2: reward function 'mine.py:main'") as caught:
+        run.fit()
+    run.logger.close()
+    assert caught.value.__cause__ is user_error
+    assert [json.loads(line)["step"] for line in open(tmp_path / "experiment_log.jsonl")] == [1]
