@@ -423,6 +423,7 @@ class Actor:
             rng = {"python": random.getstate(), "cpu": torch.get_rng_state(),
                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
             torch.save({"optimizer_steps": self.optimizer_steps, "rng": rng, "optim_strategy": self.cfg.optim.strategy,
+                        "lora": dict(vars(self.cfg.model.lora)) if self.lora_rank else None,
                         "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
                        os.path.join(path, "extra_state.pt"))
             save_hf_files(self.cfg.model, os.path.join(path, "huggingface"), self.module if self.lora_rank else None)
@@ -442,6 +443,8 @@ class Actor:
         mine = {"optim.strategy": self.cfg.optim.strategy, "model.lora.rank": self.lora_rank}
         saved = {"optim.strategy": extra.get("optim_strategy", mine["optim.strategy"]),  # older checkpoints: unknown
                  "model.lora.rank": json.load(open(adapter))["r"] if os.path.exists(adapter) else 0}
+        for key, value in (extra.get("lora") or {}).items() if self.lora_rank else ():  # alpha, target_modules, ...
+            mine[f"model.lora.{key}"], saved[f"model.lora.{key}"] = getattr(self.cfg.model.lora, key), value
         if self.optimizer is not None and (keys := [k for k in mine if saved[k] != mine[k]]):
             raise ValueError(f"{path} holds the state of {', '.join(f'{k}={saved[k]}' for k in keys)}, this run has "
                              f"{', '.join(f'{k}={mine[k]}' for k in keys)}: resume with the same settings, or start a "

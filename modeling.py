@@ -72,8 +72,13 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         lora = model_cfg.lora
         targets = lora.target_modules if lora.target_modules == "all-linear" else \
             [t.strip() for t in lora.target_modules.split(",") if t.strip()]
+        tied = (head := hf.get_output_embeddings()) is not None and head.weight is hf.get_input_embeddings().weight
         module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
                                                target_modules=targets, exclude_modules=lora.exclude_modules))
+        if tied and any(hasattr(m, "base_layer") for m in (hf.get_output_embeddings(), hf.get_input_embeddings())):
+            raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on the LM head "
+                             f"or the embeddings, which this model ties (tie_word_embeddings): the actor would adapt "
+                             f"one, the rollout's copy of the shared weight both. Leave lm_head and embed_tokens out")
         for p in module.parameters():
             p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
     full_state = dict(module.state_dict()) if rank0_init and dist.get_rank() == 0 else None

@@ -544,13 +544,32 @@ def test_a_resume_takes_this_runs_lr_betas_and_weight_decay_and_the_schedules_po
 def test_a_resume_across_lora_and_full_fine_tuning_names_both(toy, tmp_path):
     """A full checkpoint into a LoRA run and back (DCP said 'Missing key ... lm_head.weight'), and another rank."""
     full, lora, lora8 = (make_cfg(toy["text_model"], **{"model.lora.rank": r}) for r in (0, 4, 8))
+    alpha8 = make_cfg(toy["text_model"], **{"model.lora.rank": 4, "model.lora.alpha": 8})  # resumed without a word
+    fewer = make_cfg(toy["text_model"], **{"model.lora.rank": 4, "model.lora.target_modules": "q_proj,v_proj"})
     make_actor(full).save_checkpoint(str(tmp_path / "full"))
     make_actor(lora).save_checkpoint(str(tmp_path / "lora"))
     for path, cfg, message in (("full", lora, "model.lora.rank=0, this run has model.lora.rank=4"),
                                ("lora", full, "model.lora.rank=4, this run has model.lora.rank=0"),
-                               ("lora", lora8, "model.lora.rank=4, this run has model.lora.rank=8")):
+                               ("lora", lora8, "model.lora.rank=4, this run has model.lora.rank=8"),
+                               ("lora", alpha8, "model.lora.alpha=64, this run has model.lora.alpha=8"),
+                               ("lora", fewer, "model.lora.target_modules=all-linear, this run has "
+                                               "model.lora.target_modules=q_proj,v_proj")):
         with pytest.raises(ValueError, match=f"holds the state of {message}"):
             make_actor(cfg).load_checkpoint(str(tmp_path / path))
+
+
+def test_lora_on_a_head_tied_to_the_embeddings_is_refused(toy, tmp_path):
+    """The actor adapted the head; the rollout, sent the merged head and the embeddings, wrote both into the one
+    tensor they share, so it sampled from another model (rollout/logp_diff 0.03 in fp32, and no error)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(toy["text_model"])
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    head = make_cfg(str(tmp_path / "tied"), **{"model.lora.rank": 4, "model.lora.target_modules": "q_proj,lm_head"})
+    with pytest.raises(ValueError, match="target_modules='q_proj,lm_head' puts LoRA on the LM head .* ties"):
+        make_actor(head)
+    make_actor(make_cfg(str(tmp_path / "tied"), **{"model.lora.rank": 4, "model.lora.target_modules": "q_proj"}))
 
 
 def test_checkpoint_hf_files_carry_override_config_and_the_lora_adapter_config(toy, tmp_path):
