@@ -174,19 +174,21 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
                    for i, n in enumerate(lengths)]
     bad = [i for i, n in enumerate(lengths) if isinstance(n, str)]
     kept = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n <= limit]
-    overlong = len(rows) - len(bad) - len(kept)
+    overlong = [i for i, n in enumerate(lengths) if not isinstance(n, str) and n > limit]
     if bad and not skip_bad:
         raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
     if bad:
         logger.warning(f"{rows.name}: skipped {len(bad)} of {len(rows)} bad rows (data.skip_bad_rows); the first: "
                        + " | ".join(lengths[i] for i in bad[:3]))
     if cfg.filter_overlong_prompts:
+        first = ", ".join(f"{rows.where(i)} ({lengths[i]})" for i in overlong[:3])
         (logger.warning if overlong else logger.info)(
-            f"{rows.name}: dropped {overlong} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
+            f"{rows.name}: dropped {len(overlong)} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
             f"(image and video tokens included)"
-            f"{'; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
+            f"{f'; the first: {first}; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
     if not kept:
-        raise DataError(f"{rows.name}: no row left: {overlong} longer than max_prompt_length={limit}, {len(bad)} bad")
+        raise DataError(f"{rows.name}: no row left: {len(overlong)} longer than max_prompt_length={limit}, "
+                        f"{len(bad)} bad")
     return kept
 
 

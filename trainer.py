@@ -423,8 +423,9 @@ def main(argv=None):
         return 0
     try:
         run = Run(cfg)  # found at start-up: a logger's package, too few batches, no complete checkpoint to resume from
-    except (ConfigError, CheckpointError) as e:  # what to change in one line, not a traceback
-        print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
+    except (ConfigError, CheckpointError, data.DataError) as e:  # what to change in one line, not a traceback
+        kind = "config" if isinstance(e, ConfigError) else "checkpoint" if isinstance(e, CheckpointError) else "data"
+        print(f"{kind} error: {e}", file=sys.stderr)
         return 2
     try:
         run.fit()

@@ -436,6 +436,8 @@ def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, t
         filtered = loader(toy["vl_model"], path, config(max_prompt_length=limit), batch_size=-1, shuffle=False)
     assert filtered.indices == [i for i, n in enumerate(lengths) if n <= limit]
     assert f"dropped {dropped} of 12 rows longer than max_prompt_length={limit}" in caplog.text
+    first = next(i for i, n in enumerate(lengths) if n > limit)  # named, with its length
+    assert f"the first: {path} row {first} ({lengths[first]})" in caplog.text
     assert all(len(p["prompt_ids"]) <= limit for p in next(filtered))
     # Filtering off: a too-long row is an error naming the file and row at start-up, never a silent cut;
     # with skip_bad_rows it is skipped and counted instead.

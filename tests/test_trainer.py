@@ -208,6 +208,18 @@ def test_a_wrong_reward_function_stops_the_run_before_the_data_is_read_or_a_file
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_data_file_is_a_one_line_error_before_ray_starts(tmp_path, toy, monkeypatch, capsys):
+    """A DataError at start-up (here: a row without its answer) printed a 20-line traceback above its message."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "What is 3 + 4?"}\n')
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the data was checked"))
+    code = trainer.main(["--config", os.path.join(ROOT, "configs", "toy_text.yaml"), f"data.train_files={bad}",
+                         f"data.val_files={bad}", f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+    err = [line for line in capsys.readouterr().err.splitlines()  # without datasets' progress bars
+           if line.strip() and "Generating" not in line]
+    assert code == 2 and len(err) == 1 and err[0].startswith("data error: ") and "bad.jsonl" in err[0], err
+
+
 def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):
     """Relative paths are looked up in the working directory, then beside trainer.py: the toy config's model, data
     and reward file are found, and no second toy world is built in the working directory."""
