@@ -167,7 +167,8 @@ class RewardFunction:
         """The RewardError for sample i, or for the batch (i None: not called again one sample at a time, which
         would repeat its side effects, such as paid requests; the traceback, chained, says where it failed)."""
         if i is None:
-            return RewardError(f"reward function {self.name!r} {what} on a batch of {len(inputs)} inputs")
+            return RewardError(f"reward function {self.name!r} {what} on a batch of {len(inputs)} inputs (REWARD_TYPE "
+                               f"batch, the default: one call with the list; 'sequential': one call per input)")
         return RewardError(f"reward function {self.name!r} {what} on sample {i} "
                            f"(ground_truth={inputs[i].get('ground_truth')!r}, response starts "
                            f"{str(inputs[i].get('response'))[:200]!r}). Fix the function so it returns a dict of "

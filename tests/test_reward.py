@@ -435,6 +435,15 @@ def test_a_reward_file_imports_its_sibling_files(tmp_path):
     assert fn([sample("a", "1")]) == [{"overall": 2.0}]
 
 
+def test_a_function_of_one_input_without_reward_type_gets_a_hint(tmp_path):
+    """The default REWARD_TYPE is batch (EasyR1's): a function written for one input fails on the list with
+    'list indices must be integers', which says nothing of REWARD_TYPE; the message now does."""
+    fn = load_reward_function(write(tmp_path, "one.py", "def main(x):\n    return {'overall': float(x['ground_truth'] == '1')}\n"))
+    with pytest.raises(RewardError, match=r"raised TypeError: list indices .* on a batch of 2 inputs \(REWARD_TYPE batch, "
+                                          r"the default: one call with the list; 'sequential': one call per input\)"):
+        fn([sample("a", "1"), sample("b", "2")])
+
+
 def test_keys_that_are_not_strings_are_an_error_naming_the_sample(tmp_path):
     """A non-string key crashed the error path itself (sorted() of int and str keys): a bare TypeError."""
     fn = load_reward_function(write(tmp_path, "intkey.py", "def main(xs):\n    return [{'overall': 1.0, 0: 1.0} for x in xs]\n"))
