@@ -251,7 +251,8 @@ class PromptBuilder:
                 image_grid_thw=out.get("image_grid_thw"), video_grid_thw=out.get("video_grid_thw"),
                 second_per_grid_ts=out.get("second_per_grid_ts"),  # Qwen2.5-VL: temporal patch / sampled fps
                 attention_mask=torch.ones_like(ids).unsqueeze(0))  # [3, 1, P]
-            position_ids = torch.cat([position_ids, mrope[:, 0].to(position_ids.dtype)])  # [4, P]
+            mrope = trained_positions(mrope[:, 0], out["mm_token_type_ids"][0])  # [3, P]
+            position_ids = torch.cat([position_ids, mrope.to(position_ids.dtype)])  # [4, P]
         skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
@@ -342,6 +343,20 @@ class PromptBuilder:
                 raise DataError(f"{where}: the chat template gave {n} {token} for {len(items)} {kind}(s): "
                                 "data.override_chat_template or data.system_prompt must keep one per image and video")
         return text, images, videos
+
+
+def trained_positions(mrope, types):
+    """The mrope rows as Qwen2-VL and Qwen2.5-VL were trained (and as vLLM computes them): each run of text, image
+    or video tokens starts one past the largest position before it, keeping its own (t, h, w) offsets. transformers
+    >= 5.3's get_rope_index starts the text after an image or video at the block's start + max(h, w) / merge: the
+    same for an image, but inside a video whose time positions reach further (huggingface/transformers#45381), so
+    the question and the response overlapped the video's times, unlike the rollout's. mrope [3, P]; types [P]:
+    0 text, 1 image, 2 video. Qwen3-VL (one time step per block) is unchanged."""
+    out, start, bounds = torch.empty_like(mrope), 0, [0] + (torch.diff(types).nonzero()[:, 0] + 1).tolist()
+    for a, b in zip(bounds, bounds[1:] + [len(types)]):
+        out[:, a:b] = mrope[:, a:b] - mrope[:, a:a + 1] + start  # the run's offsets from its first token
+        start = int(out[:, a:b].max()) + 1
+    return out
 
 
 def process_image(image, min_pixels, max_pixels, image_dir=None):

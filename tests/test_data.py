@@ -119,18 +119,23 @@ def test_video_and_image_prompt_matches_processor_rope_and_forward(toy, vl, mode
     assert torch.equal(mm["pixel_values"], ref["pixel_values"])
     # Positions by hand (Qwen2.5-VL): the video's 2 temporal patches of 2x2 merged tokens at t = k and
     # k + second_per_grid * tokens_per_second = k + (2 / sampled fps 2) * 4 = k + 4; h, w as for an image;
-    # the text after it resumes at k + 2.
+    # the text after it resumes one past its largest position, k + 5, as Qwen2.5-VL was trained and as vLLM
+    # computes it (transformers >= 5.3's get_rope_index resumes at k + max(h, w) = k + 2, inside the video's times).
     k = prompt["raw_prompt_ids"].index(processor.tokenizer.convert_tokens_to_ids("<|video_pad|>"))
     t_row, h_row, w_row = prompt["position_ids"][1:, k:k + 8].tolist()
     assert t_row == [k] * 4 + [k + 4] * 4
     assert h_row == [k, k, k + 1, k + 1] * 2 and w_row == [k, k + 1, k, k + 1] * 2
-    assert prompt["position_ids"][1:, k + 8].tolist() == [k + 2] * 3
+    after = len(prompt["prompt_ids"]) - k - 8  # the text after the video, then the image and text
     rope, _ = model.model.get_rope_index(input_ids=ref["input_ids"], mm_token_type_ids=ref["mm_token_type_ids"],
                                          image_grid_thw=ref["image_grid_thw"], video_grid_thw=ref["video_grid_thw"],
                                          second_per_grid_ts=ref["second_per_grid_ts"])
-    assert torch.equal(prompt["position_ids"][1:], rope[:, 0])
-    with torch.no_grad():
-        reference = model(**ref).logits[0]
+    assert torch.equal(prompt["position_ids"][1:, :k + 8], rope[:, 0, :k + 8])
+    assert prompt["position_ids"][1:, k + 8].tolist() == [k + 5] * 3
+    assert rope[:, 0, k + 8].tolist() in ([k + 2] * 3, [k + 5] * 3)  # transformers >= 5.3; 4.x, vLLM
+    assert torch.equal(prompt["position_ids"][1:, k + 8:], rope[:, 0, k + 8:] - rope[0, 0, k + 8] + k + 5)  # [3, after]
+    assert after > 0
+    with torch.no_grad():  # the model's own forward on these positions
+        reference = model(**ref, position_ids=prompt["position_ids"][1:, None]).logits[0]
     torch.testing.assert_close(forward(model, prompt), reference, rtol=1e-5, atol=1e-5)
     assert vl.measure(row, "mem row 0") == len(prompt["prompt_ids"])
 

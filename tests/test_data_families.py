@@ -1,6 +1,7 @@
 """data.py on the other Qwen-VL families: Qwen2-VL and Qwen3-VL prompts (images, videos, text) equal their own
 processors' ids, their models' rope indices and forward passes (tiny random models built here)."""
 
+import itertools
 import os
 
 import pytest
@@ -104,3 +105,45 @@ def test_vision_indices_from_the_host_grid_give_the_towers_own_output(family, tm
     for a, b in zip(getattr(own, "deepstack_features", None) or [], getattr(given, "deepstack_features", None) or []):
         assert torch.equal(torch.cat(a), torch.cat(b))  # Qwen3-VL's per-layer features
     assert not torch.allclose(torch.cat(own.pooler_output), torch.cat(moved.pooler_output))
+
+
+def rollout_positions(ids, types, grids, time_steps, merge=2):
+    """The mrope rows as vLLM builds them for Qwen2-VL / Qwen2.5-VL (and as the models were trained), from the grids
+    alone: text runs count on from one past the largest position before them; a vision run of grid (t, h, w) puts
+    its tokens at (time_step * i, j, k) + its start. types [P]: 0 text, else vision; time_steps: one per grid."""
+    rows, start, grids, steps = [[], [], []], 0, iter(grids), iter(time_steps)
+    for kind, run in itertools.groupby(types):
+        n = len(list(run))
+        if kind == 0:
+            block = [[start + i for i in range(n)]] * 3
+        else:
+            (t, h, w), step = next(grids), next(steps)
+            cells = [(i, j, k) for i in range(t) for j in range(h // merge) for k in range(w // merge)]
+            block = [[start + int(c[0] * step) for c in cells], [start + c[1] for c in cells],
+                     [start + c[2] for c in cells]]
+        for row, values in zip(rows, block):
+            row += values
+        start = max(max(values) for values in block) + 1
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_text_after_a_long_video_resumes_past_the_videos_positions(family, tmp_path, toy):
+    """A video whose time positions reach past its height and width (16 temporal patches; Qwen2-VL's processor
+    upscales the frames to 12 x 12 merged tokens, the toy's keeps 2 x 2): data.py's rows equal the rollout's (vLLM's
+    convention, built above from the grids alone). transformers >= 5.3's get_rope_index restarted the text at the
+    video's start + max(h, w), inside its times, so the actor trained on other positions than vLLM sampled with."""
+    path = toy["vl_model"] if family == "qwen2_5_vl" else str(tmp_path / family)
+    if family == "qwen2_vl":
+        tiny_family(family, path, toy)
+    build = builder(path, config(min_pixels=3136, max_pixels=3136, max_prompt_length=8192, video_fps=2.0))
+    prompt = build.build({"problem": "<video>Which colour comes last?", "answer": "red",
+                          "videos": [clip(32, size=(56, 56), fps=2)]}, 0, "r0")
+    (t, h, w), = grid = prompt["multi_modal_inputs"]["video_grid_thw"].tolist()
+    step = 1.0 if family == "qwen2_vl" else 4.0  # Qwen2.5-VL: (2 frames / 2 fps) x tokens_per_second 4
+    assert t == 16 and (t - 1) * step >= max(h, w) // 2  # the times reach past the height and width
+    video_id = build.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    types = [2 if i == video_id else 0 for i in prompt["prompt_ids"]]
+    assert torch.equal(prompt["position_ids"][1:], rollout_positions(prompt["prompt_ids"], types, grid, [step]))
+    k, n = types.index(2), types.count(2)
+    assert prompt["position_ids"][1:, k + n].tolist() == [k + int((t - 1) * step) + 1] * 3  # past the last time
