@@ -12,6 +12,7 @@ check_config checks values against each other; trainer.check_choices those each 
 
 import dataclasses
 import difflib
+import logging
 import operator
 import os
 import typing
@@ -295,6 +296,28 @@ def check_config(cfg):
                 or s["temperature"] < 0 or not 0 < s["top_p"] <= 1 or s["top_k"] < -1:  # a dict's values: untyped
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off): out of range")
+    if r.temperature == 0:  # the log-probs divide the logits by it: all NaN, every update skipped
+        raise ConfigError("worker.rollout.temperature=0: training samples at a temperature > 0 (every log-prob pass "
+                          "divides the logits by it); greedy decoding is for validation: val_override_config")
+    if alg.kl_type == "adaptive" and alg.use_kl_loss and not alg.disable_kl:  # as EasyR1: the loss keeps kl_coef
+        raise ConfigError("algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true turns off (the "
+                          "KL loss keeps algorithm.kl_coef): set algorithm.use_kl_loss=false, or kl_type=fixed")
+    if not alg.norm_adv_by_std_in_grpo and alg.adv_estimator != "grpo":
+        raise ConfigError(f"algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, "
+                          f"not {alg.adv_estimator}")
+    if abs(d.seed) >= 2**43:  # epoch e shuffles under seed * 1_000_003 + e, which must fit torch's 64-bit seed
+        raise ConfigError(f"data.seed={d.seed} must be below 2**43 in size")
+    if r.top_p < 1 or r.top_k > 0:
+        logging.getLogger(__name__).warning(
+            "worker.rollout.top_p=%s, top_k=%s: responses are sampled from the truncated distribution, but the "
+            "log-probs (old, reference, new) are of the whole one, so the PPO ratios and the KL are off "
+            "(rollout/logp_diff_mean shows how far; EasyR1 does the same): keep top_p 1 and top_k -1 for training, "
+            "val_override_config may set them for validation", r.top_p, r.top_k)
+    if not alg.online_filtering and d.mini_rollout_batch_size and d.rollout_batch_size % d.mini_rollout_batch_size:
+        logging.getLogger(__name__).warning(
+            "data.mini_rollout_batch_size=%d does not divide data.rollout_batch_size=%d: each step's last generation "
+            "round makes prompts it does not train on (as in EasyR1); a divisor wastes none",
+            d.mini_rollout_batch_size, d.rollout_batch_size)
     if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
                           "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")

@@ -173,6 +173,9 @@ class Run:
             taken = [(r, s) for r, s in zip(outs, batch_scores) if r["prompt_index"] in index]
             responses += [{**r, "prompt_index": index[r["prompt_index"]]} for r, _ in taken]
             scores += [s for _, s in taken]
+            if a.online_filtering and len(prompts) < want:  # said, so that a filter that keeps little is seen
+                tqdm.write(f"step {self.step}: online filtering kept {len(kept)} of {len(batch)} groups in round "
+                           f"{rounds}, {len(prompts)} of {want} so far: generating more")
         metrics["filter/rounds"] = rounds
         assert len(responses) == want * self.cfg.worker.rollout.n
         over = all_scores if a.online_filtering else scores  # as EasyR1: dropped groups count only when filtering

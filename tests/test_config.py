@@ -256,6 +256,13 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     (["algorithm.kl_type=adaptive", "algorithm.kl_target=0"], "algorithm.kl_target=0.0 > 0 and"),
     (["algorithm.kl_type=adaptive", "algorithm.kl_horizon=-5"], "algorithm.kl_horizon=-5.0 > 0.2 x 2560 (responses"),
     (["algorithm.kl_type=adaptive", "algorithm.kl_horizon=512"], "algorithm.kl_horizon=512.0 > 0.2 x 2560"),
+    # the controller adapts the KL in the reward only, which use_kl_loss (the default) turns off: silently fixed
+    (["algorithm.kl_type=adaptive"], "algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true"),
+    # every log-prob pass divides the logits by the temperature: all NaN, every update skipped, validation fine
+    (["worker.rollout.temperature=0"], "worker.rollout.temperature=0: training samples at a temperature > 0"),
+    (["algorithm.adv_estimator=grpo_passk", "algorithm.norm_adv_by_std_in_grpo=false"],
+     "algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, not grpo_passk"),
+    (["data.seed=35184372088832"], "data.seed=35184372088832 must be below 2**43"),  # overflowed at the 1st batch
     # a group is kept when low < mean < high: no group ever is, and the step retries max_try_make_batch rounds
     (["algorithm.online_filtering=true", "algorithm.filter_low=0.5", "algorithm.filter_high=0.5"],
      "algorithm.filter_low=0.5 must be < algorithm.filter_high=0.5"),
@@ -281,11 +288,27 @@ def test_impossible_combinations_are_config_errors_naming_the_keys(overrides, me
 
 def test_the_possible_neighbours_of_those_combinations_load():
     load_checked("algorithm.kl_type=fixed", "algorithm.kl_target=0")  # the target of a fixed controller is unused
-    load_checked("algorithm.kl_type=adaptive", "algorithm.kl_horizon=513")  # beta x (1 - 0.2 x 2560 / 513) > 0
+    load_checked("algorithm.kl_type=adaptive", "algorithm.kl_horizon=513",  # beta x (1 - 0.2 x 2560 / 513) > 0
+                 "algorithm.use_kl_loss=false")
+    load_checked("algorithm.kl_type=adaptive", "algorithm.disable_kl=true")  # no KL at all: nothing to adapt
     load_checked("algorithm.filter_low=0.9", "algorithm.filter_high=0.1")  # unused without online filtering
     # with online filtering a round may generate more prompts than a step keeps (veRL's DAPO recipe: 3x)
     load_checked("algorithm.online_filtering=true", "data.mini_rollout_batch_size=1536")
     load_checked("worker.rollout.top_k=0", "worker.rollout.val_override_config={temperature: 0, top_p: 1.0}")
+
+
+def test_settings_that_train_on_another_distribution_or_waste_prompts_are_warned_about(caplog):
+    """top_p / top_k in training: sampled from the truncated distribution, log-probs of the whole one (the ratios
+    off, as in EasyR1); a mini_rollout_batch_size that does not divide rollout_batch_size generates prompts no step
+    trains on. Both load (EasyR1 runs them) with a warning; the defaults say nothing."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="config"):
+        load_checked()
+        assert not caplog.text
+        load_checked("worker.rollout.top_p=0.9", "data.mini_rollout_batch_size=384")
+    assert "worker.rollout.top_p=0.9, top_k=-1: responses are sampled from the truncated distribution" in caplog.text
+    assert "data.mini_rollout_batch_size=384 does not divide data.rollout_batch_size=512" in caplog.text
 
 
 # EasyR1's examples/config.yaml at hiyouga/EasyR1 b44b311 (its comments left out): an EasyR1 user's config.

@@ -440,7 +440,7 @@ def test_reinforce_plus_plus_gets_token_kl_and_token_returns():
     ("remax", (0.5, 0.5), ["x", "y"]),
     ("grpo", (0.4, 0.6), ["x", "y"]),  # y's accuracy is flat, its overall scores (GRPO's input) are not: kept
 ])
-def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_zero(estimator, y_overall, kept):
+def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_zero(estimator, y_overall, kept, capsys):
     """Two prompts a round, n = 2, filter on accuracy in (0.1, 0.9) exclusive of the ends: round 1 has x
     (scores 0, 1: mean 0.5, spread) and y (0.5, 0.5: mean 0.5, no spread); round 2 z (1, 0) and w (1, 1:
     mean 1, outside). GRPO drops y and needs round 2; REINFORCE++ and ReMax keep x and y in round 1. The
@@ -453,6 +453,8 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
     prompts, responses, scores, _ = run.make_batch({})
     assert [p["name"] for p in prompts] == kept
     assert [r["prompt_index"] for r in responses] == [0, 0, 1, 1]
+    said = "online filtering kept 1 of 2 groups in round 1, 1 of 2 so far: generating more"  # each short round said
+    assert (said in capsys.readouterr().out) == ("z" in kept)  # (max_try_make_batch <= 0 looped without a word)
 
 
 @pytest.mark.parametrize("filtering", [True, False])
