@@ -564,6 +564,9 @@ class Actor:
             value = value.expand(n) if key == "advantage" and value.numel() == 1 else value  # one per response
             if value.numel() != n:
                 raise ValueError(f"Actor.update: sample {i}: {key} has {value.numel()} values for {n} response tokens")
+            if not torch.isfinite(value).all():  # a NaN old log-prob zeroed its token's gradient: a silent update
+                raise ValueError(f"Actor.update: sample {i} (uid {samples[i].get('uid')}): {key} has non-finite values "
+                                 f"at tokens {(~torch.isfinite(value)).nonzero()[:, 0].tolist()[:5]}")
             parts.append(value)
         return to_device(torch.cat(parts), self.device)
 

@@ -269,6 +269,10 @@ def check_config(cfg):
             raise ConfigError(f"{key}={value} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
+    if min(a.max_grad_norm, a.clip_ratio_low, a.clip_ratio_high) < 0 or (a.tis_cap is not None and a.tis_cap <= 0):
+        raise ConfigError(f"worker.actor.max_grad_norm={a.max_grad_norm} (0: no clipping), clip_ratio_low="
+                          f"{a.clip_ratio_low}, clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap={a.tis_cap} (> 0 "
+                          f"or null): out of range (a negative one turned the gradient around or stopped it)")
     if a.clip_ratio_dual <= 1.0:
         raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
     if d.rollout_batch_size % a.global_batch_size != 0:
@@ -300,8 +304,8 @@ def check_config(cfg):
         raise ConfigError("worker.rollout.temperature=0: training samples at a temperature > 0 (every log-prob pass "
                           "divides the logits by it); greedy decoding is for validation: val_override_config")
     if alg.kl_type == "adaptive" and alg.use_kl_loss and not alg.disable_kl:  # as EasyR1: the loss keeps kl_coef
-        raise ConfigError("algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true turns off (the "
-                          "KL loss keeps algorithm.kl_coef): set algorithm.use_kl_loss=false, or kl_type=fixed")
+        raise ConfigError("algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true turns off "
+                          "(the KL loss keeps algorithm.kl_coef): set algorithm.use_kl_loss=false, or kl_type=fixed")
     if not alg.norm_adv_by_std_in_grpo and alg.adv_estimator != "grpo":
         raise ConfigError(f"algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, "
                           f"not {alg.adv_estimator}")

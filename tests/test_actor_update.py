@@ -279,6 +279,23 @@ def test_nan_gradient_skips_the_step(toy, samples):
     assert any(not torch.equal(after[n], before[n]) for n in before)
 
 
+@pytest.mark.parametrize("key", ["old_logprobs", "ref_logprobs", "advantage"])
+def test_a_non_finite_input_is_an_error_naming_the_sample(toy, samples, key):
+    """A NaN old or reference log-prob went through: the clamp's backward zeroed that token's gradient, the step
+    was applied with the token still counted, and nothing was said (pg_loss NaN, skipped_steps 0)."""
+    actor = actor_module.Actor(make_cfg(toy["vl_model"], global_batch_size=1), role="actor", temperature=1.0,
+                               device="cpu", max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE,
+                               n_per_prompt=2, training_steps=4, use_kl_loss=True, kl_coef=0.1)
+    before = params_of(actor)
+    bad = [dict(s, ref_logprobs=s["old_logprobs"] - 0.1) for s in samples]
+    value = torch.as_tensor(bad[1][key], dtype=torch.float32).clone().reshape(-1)
+    value[-1] = float("nan")
+    bad[1][key] = value
+    with pytest.raises(ValueError, match=rf"sample 1 \(uid .*\): {key} has non-finite values at tokens \["):
+        actor.update(bad)
+    assert_same_tensors(params_of(actor), before, "weights after the refused update", rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # (4) Every trainable parameter learns
 # ----------------------------------------------------------------------------------------------

@@ -263,6 +263,10 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     (["algorithm.adv_estimator=grpo_passk", "algorithm.norm_adv_by_std_in_grpo=false"],
      "algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, not grpo_passk"),
     (["data.seed=35184372088832"], "data.seed=35184372088832 must be below 2**43"),  # overflowed at the 1st batch
+    # a negative clip norm or TIS cap turned the gradient around; a negative upper clip ratio stopped A > 0 tokens
+    (["worker.actor.max_grad_norm=-1"], "worker.actor.max_grad_norm=-1.0 (0: no clipping), clip_ratio_low=0.2"),
+    (["worker.actor.tis_cap=0"], "tis_cap=0.0 (> 0 or null): out of range"),
+    (["worker.actor.clip_ratio_high=-0.5"], "clip_ratio_high=-0.5 (>= 0)"),
     # a group is kept when low < mean < high: no group ever is, and the step retries max_try_make_batch rounds
     (["algorithm.online_filtering=true", "algorithm.filter_low=0.5", "algorithm.filter_high=0.5"],
      "algorithm.filter_low=0.5 must be < algorithm.filter_high=0.5"),
