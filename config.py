@@ -23,6 +23,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException
 
+logger = logging.getLogger(__name__)
+
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 
@@ -312,13 +314,13 @@ def check_config(cfg):
     if abs(d.seed) >= 2**43:  # epoch e shuffles under seed * 1_000_003 + e, which must fit torch's 64-bit seed
         raise ConfigError(f"data.seed={d.seed} must be below 2**43 in size")
     if r.top_p < 1 or r.top_k > 0:
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "worker.rollout.top_p=%s, top_k=%s: responses are sampled from the truncated distribution, but the "
             "log-probs (old, reference, new) are of the whole one, so the PPO ratios and the KL are off "
             "(rollout/logp_diff_mean shows how far; EasyR1 does the same): keep top_p 1 and top_k -1 for training, "
             "val_override_config may set them for validation", r.top_p, r.top_k)
     if not alg.online_filtering and d.mini_rollout_batch_size and d.rollout_batch_size % d.mini_rollout_batch_size:
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "data.mini_rollout_batch_size=%d does not divide data.rollout_batch_size=%d: each step's last generation "
             "round makes prompts it does not train on (as in EasyR1); a divisor wastes none",
             d.mini_rollout_batch_size, d.rollout_batch_size)

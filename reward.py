@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import traceback
+import weakref
 
 from math_verify import parse, verify
 
@@ -94,7 +95,7 @@ class RewardFunction:
             if not 0 < call_timeout <= 1e6:  # the pipe's poll takes at most ~24 days
                 raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0 and "
                                   f"at most 1e6, or null for no limit")
-            atexit.register(self.close)  # the reward process ends with the trainer, before modules are torn down
+            atexit.register(lambda ref=weakref.ref(self): ref() and ref().close())  # weak: GC still stops it
             self._start()
 
     def __call__(self, inputs):

@@ -203,3 +203,16 @@ def test_a_function_that_calls_sys_exit_is_an_error_not_the_end_of_the_trainer(t
     fn = load_reward_function(write(tmp_path, "exits.py", "import sys\ndef main(xs):\n    sys.exit(0)\n"))
     with pytest.raises(RewardError, match="'exits.py:main' raised SystemExit: 0 on a batch of 1 inputs"):
         fn([sample("a", "1")])
+
+
+def test_a_collected_reward_function_stops_its_process():
+    """The exit hook that closes the reward process holds the RewardFunction weakly: a strong one kept every
+    RewardFunction alive, so dropping one no longer stopped its process."""
+    import gc
+
+    fn = load_reward_function("math", call_timeout=30)
+    fn([sample("\\boxed{1}", "1")])
+    pid = fn._worker[0].pid
+    del fn
+    gc.collect()
+    assert ends_within(pid, 5.0)
