@@ -512,6 +512,45 @@ def test_master_and_compute_dtypes_of_actor_and_reference(toy):
     assert {p.dtype for p in ref.module.parameters()} == {torch.bfloat16} and ref.optimizer is None
 
 
+def _one_worker_main(port, model_path, samples_path, out_path):
+    """workers.Worker.setup for one CPU worker with fp32 master weights and bf16 compute; saves whether it made a
+    process group and the policy's and the reference's log-probs of the samples."""
+    import torch.distributed as dist
+
+    import workers
+    from config import load_config
+
+    torch.set_num_threads(1)
+    cfg = load_config(overrides=[f"worker.actor.model.model_path={model_path}", "worker.actor.fsdp.torch_dtype=null",
+                                 "worker.actor.fsdp.mp_param_dtype=bf16", "worker.ref.fsdp.mp_param_dtype=bf16",
+                                 "algorithm.disable_kl=false", "worker.rollout.name=hf", "data.max_prompt_length=64",
+                                 "data.max_response_length=8", "worker.actor.global_batch_size=2", "worker.rollout.n=2",
+                                 "trainer.n_gpus_per_node=1", "data.rollout_batch_size=2", "worker.actor.dynamic_batching=false",
+                                 "worker.actor.micro_batch_size_per_device_for_update=4",
+                                 "worker.actor.micro_batch_size_per_device_for_experience=4"])  # one micro-batch each:
+    # bf16 GEMMs round a row by the shape of the whole batch, so only equal packing gives equal log-probs
+    worker = workers.Worker()
+    worker.setup(cfg, 0, 1, ("127.0.0.1", port), "cpu", 1)
+    samples = torch.load(samples_path, weights_only=False)
+    torch.save({"group": dist.is_initialized(), "old": worker.log_probs(samples, "old"),
+                "ref": worker.log_probs(samples, "ref")}, out_path)
+    leave_rank()
+
+
+def test_one_worker_with_mixed_precision_computes_as_its_reference(toy, samples, tmp_path):
+    """fp32 master weights with bf16 compute on one worker: FSDP2 over a one-rank group casts the policy's weights to
+    bf16 as the reference stores them, so the two agree exactly before the first update (KL 0 at step 1). Autocast
+    over the fp32 weights kept an fp32 residual stream: log-probs off by ~1e-3, the KL at step 1 above 0."""
+    torch.save([dict(s) for s in samples], tmp_path / "samples.pt")
+    codes = run_ranks(_one_worker_main, [(_free_port(), toy["vl_model"], str(tmp_path / "samples.pt"),
+                                          str(tmp_path / "out.pt"))], timeout=300)
+    assert codes == [0], f"exit code {codes}"
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["group"]
+    for old, ref in zip(out["old"], out["ref"]):
+        assert torch.equal(old, ref), (old - ref).abs().max()
+
+
 def test_bf16_master_weights_with_plain_adamw_warn(toy, caplog):
     """The warning about lost small steps comes for bf16 master weights with optim.strategy adamw only."""
     import logging
