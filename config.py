@@ -324,6 +324,10 @@ def check_config(cfg):
             "data.mini_rollout_batch_size=%d does not divide data.rollout_batch_size=%d: each step's last generation "
             "round makes prompts it does not train on (as in EasyR1); a divisor wastes none",
             d.mini_rollout_batch_size, d.rollout_batch_size)
+    if (length := cfg.worker.reward.reward_function_kwargs.get("max_response_length", d.max_response_length)) \
+            != d.max_response_length:  # DAPO's overlong penalty then starts and ends elsewhere than the cut
+        logger.warning("worker.reward.reward_function_kwargs.max_response_length=%s, data.max_response_length=%d: "
+                       "the reward's length limit is not the rollout's", length, d.max_response_length)
     if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
                           "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")
