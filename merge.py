@@ -69,16 +69,20 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
         print(f"merge.py: removing {partial}, left by an interrupted merge")
         shutil.rmtree(partial)
     skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
-    shutil.copytree(hf_dir, work, ignore=shutil.ignore_patterns(*skip))  # tokenizer, processor, ...
+    # tokenizer, processor, ...: contents, not modes (a write-protected checkpoint's would make the output read-only)
+    shutil.copytree(hf_dir, work, ignore=shutil.ignore_patterns(*skip), copy_function=shutil.copyfile)
+    os.chmod(work, 0o755)
     try:
         dtype = (write_adapter(model_dir, tensors, lora, work, dtype) if adapter_only else
                  write_model(model_dir, tensors, hf_dir, lora, work, dtype, max_bytes))  # -> the dtype written
+        if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") keeps it
+            config = json.load(open(os.path.join(work, "config.json")))
+            for part in [config, *(v for v in config.values() if isinstance(v, dict) and "dtype" in v)]:
+                part["dtype"] = str(dtype).removeprefix("torch.")  # a VL model's text and vision configs too
+            pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") loads it unchanged
-        config = {**json.load(open(os.path.join(work, "config.json"))), "dtype": str(dtype).removeprefix("torch.")}
-        pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if force and os.path.isdir(output):  # kept aside until the new output is in place: a crash in between loses nothing
         os.replace(output, os.path.join(partial, "old"))
     os.replace(work, output)  # without --force, an output made meanwhile by someone else is an error, never deleted

@@ -66,13 +66,18 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         if isinstance(getattr(m, "config", None), PreTrainedConfig):
             m.config._attn_implementation = ATTENTION
     module = hf
+    tied = (head := hf.get_output_embeddings()) is not None and head.weight is hf.get_input_embeddings().weight
+    if head is not None and not tied and getattr(config, "tie_word_embeddings", False):  # transformers' own test
+        raise ValueError(f"{model_cfg.model_path}: config.json ties the LM head to the input embeddings, but the "
+                         f"weights hold two different tensors (transformers keeps them apart; vLLM would sample with "
+                         f"the embeddings as the head): set worker.actor.model.override_config='{{tie_word_embeddings: "
+                         f"false}}'")
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
         lora = model_cfg.lora
         targets = lora.target_modules if lora.target_modules == "all-linear" else \
             [t.strip() for t in lora.target_modules.split(",") if t.strip()]
-        tied = (head := hf.get_output_embeddings()) is not None and head.weight is hf.get_input_embeddings().weight
         module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
                                                target_modules=targets, exclude_modules=lora.exclude_modules))
         if tied and any(hasattr(m, "base_layer") for m in (hf.get_output_embeddings(), hf.get_input_embeddings())):

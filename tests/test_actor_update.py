@@ -2,6 +2,7 @@
 gradient from micro-batching and from the number of ranks, the non-finite-gradient skip, and that every
 trainable parameter learns. Samples are built by hand from the toy processor."""
 
+import json
 import math
 import os
 import socket
@@ -626,6 +627,21 @@ def test_lora_on_a_head_tied_to_the_embeddings_is_refused(toy, tmp_path):
     with pytest.raises(ValueError, match="target_modules='q_proj,lm_head' puts LoRA on the LM head .* ties"):
         make_actor(head)
     make_actor(make_cfg(str(tmp_path / "tied"), **{"model.lora.rank": 4, "model.lora.target_modules": "q_proj"}))
+
+
+def test_a_config_that_ties_a_head_stored_apart_is_refused(toy, tmp_path):
+    """config.json ties the head to the embeddings but the weights hold two tensors: transformers keeps them apart
+    (a warning), vLLM ties them and samples with the embeddings as the head, and merge.py wrote the embeddings only
+    (log-probs 7.6 off the trained model's). An error at start-up names the override that loads it as stored."""
+    import shutil
+
+    shutil.copytree(toy["text_model"], tmp_path / "untied")
+    config = json.loads((tmp_path / "untied" / "config.json").read_text())
+    (tmp_path / "untied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="ties the LM head to the input embeddings, .*{tie_word_embeddings: false}"):
+        make_actor(make_cfg(str(tmp_path / "untied")))
+    policy = make_actor(make_cfg(str(tmp_path / "untied"), **{"model.override_config": {"tie_word_embeddings": False}}))
+    assert policy.hf.get_output_embeddings().weight is not policy.hf.get_input_embeddings().weight
 
 
 def test_checkpoint_hf_files_carry_override_config_and_the_lora_adapter_config(toy, tmp_path):

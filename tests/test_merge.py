@@ -233,7 +233,11 @@ def test_bf16_sharded_output_reads_in_bounded_batches(ckpts, tmp_path, monkeypat
 
     monkeypatch.setattr(merge, "read_tensors", spy)
     limit = 20_000
-    out = merge.merge_checkpoint(ckpts["vl"], output=str(tmp_path / "hf"), dtype="bf16", max_shard_size="20KB")
+    actor = shutil.copytree(ckpts["vl"], tmp_path / "actor")  # config.json as save_pretrained writes it: sub-configs
+    config = json.load(open(actor / "huggingface" / "config.json"))  # carry a dtype too
+    config["text_config"]["dtype"] = config["vision_config"]["dtype"] = "float32"
+    (actor / "huggingface" / "config.json").write_text(json.dumps(config))
+    out = merge.merge_checkpoint(str(actor), output=str(tmp_path / "hf"), dtype="bf16", max_shard_size="20KB")
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     files = sorted(set(index["weight_map"].values()))
     assert len(files) == len(batches) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -247,7 +251,8 @@ def test_bf16_sharded_output_reads_in_bounded_batches(ckpts, tmp_path, monkeypat
             sizes = [st.get_tensor(k).nbytes for k in st.keys()]
         assert sum(sizes) <= limit or len(sizes) == 1
     assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in ckpts["vl_ref"].values())
-    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    config = json.load(open(os.path.join(out, "config.json")))  # every dtype says bf16
+    assert [config["dtype"], config["text_config"]["dtype"], config["vision_config"]["dtype"]] == ["bfloat16"] * 3
 
     from transformers import AutoModelForImageTextToText
     model = AutoModelForImageTextToText.from_pretrained(out)
@@ -309,6 +314,19 @@ def test_config_dtype_is_the_dtype_written(toy, tmp_path, stored, config_dtype):
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert merged.dtype == stored
     assert_same_state(merged.state_dict(), model.state_dict())
+
+
+def test_a_write_protected_checkpoint_merges_into_writable_files(toy, tmp_path):
+    """The checkpoint's files and folders made read-only: the output's are the user's to write (copytree copied the
+    modes, so a non-root user's merge failed writing into its own read-only folder, leaving it behind)."""
+    import stat
+
+    text_checkpoint(toy, tmp_path / "actor", torch.float32, "float32")
+    for root, dirs, files in os.walk(tmp_path / "actor"):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o555 if name in dirs else 0o444)
+    out = merge.merge_checkpoint(str(tmp_path / "actor"), output=str(tmp_path / "merged"))
+    assert all(os.stat(os.path.join(out, name)).st_mode & stat.S_IWUSR for name in [".", *os.listdir(out)])
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
