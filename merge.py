@@ -169,9 +169,10 @@ def write_adapter(model_dir, tensors, lora, out_dir, dtype):
 def check_checkpoint(local_dir):
     model_dir, hf_dir, step = f"{local_dir}/model", f"{local_dir}/huggingface", os.path.dirname(local_dir)
     if not os.path.exists(os.path.join(model_dir, ".metadata")):
-        hint = os.path.exists(f"{local_dir}/actor/model/.metadata") and f" Did you mean --local_dir {local_dir}/actor?"
+        hint = next((f" Did you mean --local_dir {d}?" for d in (f"{local_dir}/actor", os.path.dirname(local_dir))
+                     if os.path.exists(f"{d}/model/.metadata")), "")  # global_step_N, or actor/huggingface
         raise MergeError(f"{local_dir} is not an actor checkpoint: {model_dir}/.metadata (torch.distributed.checkpoint)"
-                         f" does not exist. Pass checkpoints/<project>/<exp>/global_step_N/actor.{hint or ''}")
+                         f" does not exist. Pass checkpoints/<project>/<exp>/global_step_N/actor.{hint}")
     if re.fullmatch(r"global_step_\d+", os.path.basename(step)) and not os.path.exists(f"{step}/trainer_state.json"):
         raise MergeError(f"{step} has no trainer_state.json (trainer.py writes it last): its save did not finish")
     vl = os.path.exists(f"{hf_dir}/config.json") and "vision_config" in json.load(open(f"{hf_dir}/config.json"))

@@ -424,6 +424,8 @@ def test_bad_inputs_give_clear_errors(toy, ckpts, tmp_path):
     step = os.path.dirname(ckpts["vl"])
     with pytest.raises(merge.MergeError, match="Did you mean --local_dir .*actor"):
         merge.merge_checkpoint(step)
+    with pytest.raises(merge.MergeError, match=f"Did you mean --local_dir {ckpts['vl']}\\?"):  # EasyR1's folder
+        merge.merge_checkpoint(os.path.join(ckpts["vl"], "huggingface"))
     with pytest.raises(merge.MergeError, match="'int8' cannot be written: choose bf16, fp16 or fp32"):
         merge.merge_checkpoint(ckpts["vl"], output=str(tmp_path / "o"), dtype="int8")
     with pytest.raises(merge.MergeError, match="max_shard_size '2 parsecs'"):
