@@ -266,6 +266,7 @@ def check_config(cfg):
                 "worker.actor.micro_batch_size_per_device_for_update", "worker.actor.max_tokens_per_micro_batch",
                 "worker.actor.micro_batch_size_per_device_for_experience", "worker.actor.ppo_epochs",
                 "worker.rollout.n", "worker.rollout.tensor_parallel_size", "trainer.total_epochs", "trainer.max_steps",
+                "data.max_response_length",
                 "trainer.nnodes", "trainer.n_gpus_per_node"):
         if (value := operator.attrgetter(key)(cfg)) is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
@@ -298,13 +299,16 @@ def check_config(cfg):
         raise ConfigError(f"data.mini_rollout_batch_size={d.mini_rollout_batch_size} must be at most "
                           f"data.rollout_batch_size={d.rollout_batch_size} without algorithm.online_filtering")
     for where, s in (("", vars(r)), ("val_override_config.", {**vars(r), **r.val_override_config})):  # at start-up
-        if any(type(s[k]) not in (int, float) for k in ("n", "temperature", "top_p", "top_k")) or s["n"] < 1 \
+        if any(type(s[k]) not in (int, float) for k in ("temperature", "top_p")) or type(s["n"]) is not int \
+                or type(s["top_k"]) is not int or s["n"] < 1 \
                 or s["temperature"] < 0 or not 0 < s["top_p"] <= 1 or s["top_k"] < -1:  # a dict's values: untyped
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
-                              f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off): out of range")
-    if r.temperature == 0:  # the log-probs divide the logits by it: all NaN, every update skipped
-        raise ConfigError("worker.rollout.temperature=0: training samples at a temperature > 0 (every log-prob pass "
-                          "divides the logits by it); greedy decoding is for validation: val_override_config")
+                              f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off; n and top_k "
+                              f"integers): out of range")
+    if r.temperature < 1e-5:  # the log-probs divide the logits by it (0: all NaN); vLLM samples greedily below 1e-5
+        raise ConfigError(f"worker.rollout.temperature={r.temperature}: training samples at a temperature >= 1e-5 "
+                          "(every log-prob pass divides the logits by it); greedy decoding is for validation: "
+                          "val_override_config")
     if alg.kl_type == "adaptive" and alg.use_kl_loss and not alg.disable_kl:  # as EasyR1: the loss keeps kl_coef
         raise ConfigError("algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true turns off "
                           "(the KL loss keeps algorithm.kl_coef): set algorithm.use_kl_loss=false, or kl_type=fixed")

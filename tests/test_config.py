@@ -259,7 +259,10 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     # the controller adapts the KL in the reward only, which use_kl_loss (the default) turns off: silently fixed
     (["algorithm.kl_type=adaptive"], "algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true"),
     # every log-prob pass divides the logits by the temperature: all NaN, every update skipped, validation fine
-    (["worker.rollout.temperature=0"], "worker.rollout.temperature=0: training samples at a temperature > 0"),
+    (["worker.rollout.temperature=0"], "worker.rollout.temperature=0.0: training samples at a temperature >= 1e-5"),
+    # fp32 logits / 1e-40 overflow: a non-finite log-prob error blamed the sample (vLLM samples greedily below 1e-5)
+    (["worker.rollout.temperature=1e-40"], "worker.rollout.temperature=1e-40: training samples at a temperature"),
+    (["data.max_response_length=0"], "data.max_response_length=0 must be at least 1"),  # was the worker's error
     (["algorithm.adv_estimator=grpo_passk", "algorithm.norm_adv_by_std_in_grpo=false"],
      "algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) applies to adv_estimator=grpo only, not grpo_passk"),
     (["data.seed=35184372088832"], "data.seed=35184372088832 must be below 2**43"),  # overflowed at the 1st batch
@@ -277,13 +280,16 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
      "worker.rollout.val_override_config has ['topp']; choose from ['n', 'temperature', 'top_p', 'top_k']"),
     # sampling settings out of range failed at the first generation (validation's: at the first validation), after
     # the models loaded; top_k < -1 switched top-k off in the transformers engine, where vLLM raises
-    (["worker.rollout.top_k=-5"], "top_k=-5 (-1 or 0: off): out of range"),
+    (["worker.rollout.top_k=-5"], "top_k=-5 (-1 or 0: off; n and top_k integers): out of range"),
     (["worker.rollout.temperature=-0.5"], "worker.rollout.n=5 (>= 1), temperature=-0.5 (>= 0)"),
     (["worker.rollout.val_override_config={top_p: 0}"], "worker.rollout.val_override_config.n=5 (>= 1), "
                                                          "temperature=1.0 (>= 0), top_p=0 (in (0, 1])"),
     (["worker.rollout.val_override_config={n: 0}"], "worker.rollout.val_override_config.n=0 (>= 1)"),
     # a dict's values are not typed by OmegaConf: a string here was a bare TypeError from the comparison
-    (["worker.rollout.val_override_config={top_p: abc}"], "top_p=abc (in (0, 1]), top_k=-1 (-1 or 0: off): out of"),
+    (["worker.rollout.val_override_config={top_p: abc}"], "top_p=abc (in (0, 1]), top_k=-1 (-1 or 0: off; n and"),
+    # a float n or top_k crashed the first validation (range() and topk() take integers)
+    (["worker.rollout.val_override_config={temperature: 0, n: 2.0}"], "val_override_config.n=2.0 (>= 1), temperature=0"),
+    (["worker.rollout.val_override_config={top_k: 2.0}"], "top_k=2.0 (-1 or 0: off; n and top_k integers)"),
 ])
 def test_impossible_combinations_are_config_errors_naming_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -555,7 +561,7 @@ def test_every_group_estimator_needs_two_responses_a_prompt(estimator):
 @pytest.mark.parametrize("overrides, message", [
     (["worker.rollout.top_k=-2"], "worker.rollout.n=5 (>= 1), temperature=1.0 (>= 0), top_p=1.0 (in (0, 1]), top_k=-2"),
     (["worker.rollout.val_override_config={top_k: -2}"], "val_override_config.n=5 (>= 1), temperature=1.0 (>= 0), "
-                                                          "top_p=1.0 (in (0, 1]), top_k=-2 (-1 or 0: off)"),
+                                                          "top_p=1.0 (in (0, 1]), top_k=-2 (-1 or 0: off;"),
     (["worker.rollout.val_override_config={n: true}"], "val_override_config.n=True (>= 1)"),  # a bool is no count
     (["worker.rollout.val_override_config={temperature: true}"], "temperature=True (>= 0)"),
     (["algorithm.gamma=0.99"], "algorithm.gamma must be 1.0"),
