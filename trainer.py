@@ -234,7 +234,7 @@ class Run:
 
     def validate(self):
         self.workers.sync_weights()
-        scores, pairs, override = [], [], self.cfg.worker.rollout.val_override_config
+        scores, pairs, override = [], [], {"n": 1, **self.cfg.worker.rollout.val_override_config}  # EasyR1's n
         for b, prompts in enumerate(self.val_loader.epoch()):  # a seed a batch: prompt i's sample j draws (seed, i, j)
             responses = self.workers.generate(prompts, self.sampling(("validation", b), override))
             scores += self.score(prompts, responses)

@@ -568,60 +568,6 @@ def test_shard_keeps_a_prompts_responses_on_one_rank_when_groups_divide():
     assert sorted(len(i) for i in indices) == [3, 3] and sorted(sum(indices, [])) == list(range(6))
 
 
-def test_validation_over_several_batches_draws_new_streams_for_each():
-    """Two val batches (3 prompts, then 1; a response each of lengths 1, 2, 3 and 4, scored 1, 0, 0, 1): the metrics
-    are over all four responses, and each batch gets its own seed. Sample j of prompt i draws from derive_seed(seed,
-    i, j), so one seed for both batches made prompt 0 of the second batch replay the stream of prompt 0 of the first."""
-    run, seeds = val_run("trainer.val_generations_to_log=0")
-    metrics = run.validate()
-    assert metrics["val/reward_score"] == metrics["val/overall_reward"] == 0.5
-    assert (metrics["val_response_length/mean"], metrics["val_response_length/max"]) == (2.5, 4)
-    assert len(seeds) == 2 and seeds[0] != seeds[1]
-    assert run.validate() and seeds[2:] == seeds[:2]  # the same streams at every validation: comparable scores
-
-
-def val_run(*overrides):
-    """Val batches [a, b, c] and [d], prompts of 4, 2, 3, 4 tokens (max_prompt_length 4), a response each of 1, 2, 3
-    and 4 tokens (d's without an EOS), scored 1, 0, 0, 1. -> (run, the seeds each batch drew)."""
-    run = bare_run("data.max_prompt_length=4", *overrides)
-    batches = [[{"name": "a"}, {"name": "b"}, {"name": "c"}], [{"name": "d"}]]
-    length, prompt_length = {"a": 1, "b": 2, "c": 3, "d": 4}, {"a": 4, "b": 2, "c": 3, "d": 4}
-    run.val_loader = types.SimpleNamespace(epoch=lambda: iter([[{**p, "prompt_ids": [7] * prompt_length[p["name"]],
-                                                                 "prompt_text": p["name"], "ground_truth": "g"}
-                                                                for p in batch] for batch in batches]))
-    seeds = []
-    run.workers = types.SimpleNamespace(sync_weights=lambda: None, sleep=lambda: None, generate=lambda prompts, s: (
-        seeds.append(s["seed"]) or [{"prompt_index": i, "response_ids": [5] * length[p["name"]], "name": p["name"],
-                                     "finish_reason": "length" if p["name"] == "d" else "stop"}
-                                    for i, p in enumerate(prompts)]))
-    run.score = lambda prompts, responses: [{"overall": float(r["name"] in "ad")} for r in responses]
-    run.tokenizer = types.SimpleNamespace(decode=lambda ids: f"{len(ids)} tokens")
-    run.logger.log_generations = lambda rows, step: run.logger.generations.extend(rows)
-    run.logger.generations = []
-    return run, seeds
-
-
-def test_validation_logs_prompt_and_response_lengths_as_training_does():
-    """EasyR1 logs val_prompt_length/* and val_response_length/clip_ratio too (compute_length_metrics of the val
-    batch, prefixed val_): prompts 4, 2, 3, 4 tokens -> mean 13 / 4, 2 of 4 at max_prompt_length; d has no EOS."""
-    metrics = val_run()[0].validate()
-    assert {k: v for k, v in metrics.items() if "length/" in k} == {
-        "val_response_length/mean": 2.5, "val_response_length/max": 4, "val_response_length/min": 1,
-        "val_response_length/clip_ratio": 0.25, "val_prompt_length/mean": 3.25, "val_prompt_length/max": 4,
-        "val_prompt_length/min": 2, "val_prompt_length/clip_ratio": 0.5}
-
-
-@pytest.mark.parametrize("count, logged", [(2, ["a", "b"]), (4, ["a", "b", "c", "d"]), (0, []), (-1, [])])
-def test_val_generations_to_log_rows_and_none_when_not_positive(count, logged):
-    """The first `count` responses in val-file order (listed in the README); 0 or less logs none, as EasyR1
-    (-1 logged every response of a batch but its last)."""
-    run = val_run(f"trainer.val_generations_to_log={count}")[0]
-    run.validate()
-    assert [row["prompt"] for row in run.logger.generations] == logged
-    assert run.logger.generations[:1] in ([], [{"prompt": "a", "response": "1 tokens", "ground_truth": "g",
-                                                "score": 1.0}])
-
-
 def test_without_filtering_reward_metrics_are_over_the_trained_responses():
     """rollout_batch_size 3, rounds of 2 prompts, n = 2, no filtering: round 2's second prompt is generated but not
     trained on. As EasyR1 (reward/* of the truncated batch), reward/overall is over the 6 responses kept: prompts
@@ -685,14 +631,3 @@ def test_with_filtering_reward_metrics_are_over_every_response_generated():
     prompts, _, _, rewards = run.make_batch({})
     assert [p["name"] for p in prompts] == ["x", "z"]
     assert rewards == {"reward/overall": 0.75, "reward/format": 0.5}
-
-
-def test_val_reward_score_is_the_overall_mean_with_several_reward_keys():
-    """Scores 1, 0, 0, 1 (overall) and format 1, 1, 1, 0 over the two val batches: val/reward_score is the overall
-    mean 2 / 4, each key has its val/<key>_reward mean (format 3 / 4), the last key's mean is no stand-in."""
-    run = val_run("trainer.val_generations_to_log=0")[0]
-    run.score = lambda prompts, responses: [{"overall": float(r["name"] in "ad"), "format": float(r["name"] != "d")}
-                                            for r in responses]
-    metrics = run.validate()
-    assert {k: v for k, v in metrics.items() if k.startswith("val/")} == {
-        "val/overall_reward": 0.5, "val/format_reward": 0.75, "val/reward_score": 0.5}
