@@ -220,6 +220,21 @@ def test_a_bad_data_file_is_a_one_line_error_before_ray_starts(tmp_path, toy, mo
     assert code == 2 and len(err) == 1 and err[0].startswith("data error: ") and "bad.jsonl" in err[0], err
 
 
+def test_rows_with_more_images_than_limit_images_stop_the_run_before_ray(tmp_path, monkeypatch, capsys):
+    """vLLM's limit_mm_per_prompt refused such a row at its first generation, mid-run (as in EasyR1)."""
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "red.png")
+    rows = tmp_path / "two.jsonl"
+    rows.write_text(json.dumps({"problem": "<image><image>Colours?", "answer": "red",
+                                "images": [str(tmp_path / "red.png")] * 2}) + "\n")
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the limit was checked"))
+    code = trainer.main([f"data.train_files={rows}", f"data.val_files={rows}", "data.rollout_batch_size=1",
+                         "worker.actor.global_batch_size=1", "worker.rollout.limit_images=1",
+                         f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+    assert code == 2 and "worker.rollout.limit_images=1, but a row holds 2 images" in capsys.readouterr().err
+
+
 def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):
     """Relative paths are looked up in the working directory, then beside trainer.py: the toy config's model, data
     and reward file are found, and no second toy world is built in the working directory."""
