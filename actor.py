@@ -287,7 +287,8 @@ class Actor:
         """Temperature-scaled log-probs of every sample's response tokens: fp32 CPU tensors [len(response_ids)] in
         input order; with `with_entropy`, (log-probs, entropies). `disable_adapter=True` runs a LoRA model with its
         adapters off: the reference at no extra memory. The policy uses the update's mini- and micro-batches, so old
-        and new log-probs come from identical kernels; the reference packs the list under the experience budget."""
+        and new log-probs come from identical kernels; the reference packs the list under the experience budget (LoRA's,
+        the policy with its adapters off, as the policy)."""
         kind = "update" if self.role == "actor" else "experience"
         chunk = self._mini_batch_size() if self.role == "actor" else max(1, len(samples))
         done = []  # (indices, response lengths, logp [N], entropy [N] or None) per micro-batch, still on the device

@@ -9,8 +9,8 @@ response with the same uid. KL in the reward (algorithm.use_kl_loss = false): to
 per-token KL estimate, times kl_coef (beta); REINFORCE++ subtracts beta * kl_{i,t} token by token, every other
 estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
 Outputs: float32 [N], one advantage per response (broadcast over its tokens by the actor); for TOKEN_LEVEL
-estimators N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every group
-estimator; a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
+estimators N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every estimator
+that compares a group's responses (not remax); a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
 """
 
 import types
@@ -105,7 +105,8 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
                        kl_coef=0.0, **opts):
     """Advantages from the estimator `name` (a key of ESTIMATORS); inputs and outputs as in the module
     docstring. lengths [N]: for TOKEN_LEVEL (from token_kl when not given); baselines: remax only;
-    norm_by_std (algorithm.norm_adv_by_std_in_grpo, veRL's; EasyR1 has none): grpo only; opts: eps, allow_singletons."""
+    norm_by_std (algorithm.norm_adv_by_std_in_grpo, veRL's; EasyR1 has none): grpo only; opts: the estimator's own
+    keywords (eps, allow_singletons: see each)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     if baselines is not None and name != "remax":

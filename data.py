@@ -24,7 +24,7 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
                                     [patches, dim], image_grid_thw [n_images, 3], pixel_values_videos
                                     [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
     position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
-                                    get_rope_index), [1, P] for text models; P = len(prompt_ids)
+                                    get_rope_index, re-based by trained_positions), [1, P] for text models
     ground_truth        str         the answer column
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.

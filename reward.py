@@ -281,8 +281,8 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
 def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong_penalty_factor):
     """DAPO (EasyR1's dapo.py): exact match after Minerva normalisation, plus a soft overlong penalty.
 
-    answer   = text after the last "Answer:" (case-insensitive, to the end of its line) within the last
-               300 characters of the response; "[INVALID]" if there is none
+    answer   = text after the last "Answer:" (case-insensitive; blank space after it skipped, line breaks too, then up
+               to the end of that line) within the last 300 characters of the response; "[INVALID]" if there is none
     accuracy = +1 if minerva_normalize(answer) == minerva_normalize(ground_truth), else -1
     overlong, with L = response_length (tokens), L_max = max_response_length, L_buf = overlong_buffer_length:
                0                              if L <= L_max - L_buf
@@ -347,7 +347,7 @@ def last_boxed(text):
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
     """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify (\\frac{1}{2},
-    0.5, 1/2 and \\dfrac12 agree; units in \\text or \\mathrm and degree signs are ignored, a bare `12 cm^2` or `5.`
+    0.5, 1/2 and \\dfrac12 agree; units in \\text or \\mathrm and LaTeX degree signs (^\\circ) are ignored, a bare `12 cm^2` or `5.`
     is not "12" or "5", unlike mathruler). timeout: seconds (rounded up) per math-verify step, SIGALRM so main
     thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
