@@ -6,8 +6,8 @@
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=..., seed=seed)  # seed: per round, rank
     engine.sleep()                                             # give the memory back to the actor
 
-Reads worker.rollout (RolloutConfig) and three attributes the trainer adds to it: limit_videos (the most videos in
-one row of the data), and the model's trust_remote_code and override_config. Validation passes
+Reads worker.rollout (RolloutConfig) and three attributes the loop adds to it: limit_videos (the most videos in
+one row of the data; trainer.py), and the model's trust_remote_code and override_config (workers.py). Validation passes
 sampling_settings(cfg, val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
