@@ -20,8 +20,9 @@ A sample (built by trainer.py) holds:
     ref_logprobs        Tensor [len(response_ids)]   (update, with use_kl_loss)
     rollout_logprobs    Tensor [len(response_ids)]   (update, optional: TIS and mismatch metrics)
 
-Config: the worker.actor section (ActorConfig; every key documented in configs/geo3k.yaml). With a process group,
-every rank calls each method together (FSDP all-gathers inside); without one, nothing is sharded.
+Config: the worker.actor section (config.py's ActorConfig; keys in configs/geo3k.yaml): copy modeling.py and config.py
+along. With a process group, every rank calls each method together (FSDP all-gathers inside); without one, nothing
+is sharded.
 """
 
 import collections

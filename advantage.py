@@ -10,7 +10,8 @@ per-token KL estimate, times kl_coef (beta); REINFORCE++ subtracts beta * kl_{i,
 estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
 Outputs: float32 [N], one advantage per response (broadcast over its tokens by the actor); for TOKEN_LEVEL
 estimators N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every estimator
-that compares a group's responses (not remax); a group of one is an error naming its uid unless allow_singletons=True (advantage 0).
+that compares a group's responses (not remax); a group of one is an error naming its uid unless allow_singletons=True
+(advantage 0).
 """
 
 import types

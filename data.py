@@ -29,7 +29,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
-Reads cfg.data (DataConfig; its keys are documented in configs/geo3k.yaml). Relative paths (sources,
+Reads cfg.data (config.py's DataConfig, which copies along: it imports no stage; keys documented in
+configs/geo3k.yaml). Relative paths (sources,
 templates) are tried from the working directory, then from this file's folder.
 """
 
@@ -566,7 +567,8 @@ def _local_path(path):
 def _read_text(path, key):
     local = _local_path(path)
     if local is None or not os.path.isfile(local):
-        raise FileNotFoundError(f"{key}: file not found: {path} (looked in {os.getcwd()} and {HERE})")
+        where = " and ".join(dict.fromkeys([os.getcwd(), HERE]))  # one folder when run from beside data.py
+        raise FileNotFoundError(f"{key}: file not found: {path} (looked in {where})")
     with open(local) as f:
         return f.read()
 

@@ -89,8 +89,8 @@ class RewardFunction:
         try:  # the first argument is the input (or the list of inputs)
             inspect.signature(fn).bind(None, **self.kwargs)
         except TypeError as e:
-            raise RewardError(f"reward function {name!r} cannot take the keyword arguments {sorted(self.kwargs)} "
-                              f"(worker.reward.reward_function_kwargs): {e}") from None
+            raise RewardError(f"reward function {name!r} cannot be called with the keyword arguments "
+                              f"{sorted(self.kwargs)} (worker.reward.reward_function_kwargs): {e}") from None
         if call_timeout is not None:
             if not 0 < call_timeout <= 1e6:  # the pipe's poll takes at most ~24 days
                 raise RewardError(f"worker.reward.call_timeout={call_timeout!r}: give a number of seconds > 0 and "
@@ -347,9 +347,9 @@ def last_boxed(text):
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
     """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify (\\frac{1}{2},
-    0.5, 1/2 and \\dfrac12 agree; units in \\text or \\mathrm and LaTeX degree signs (^\\circ) are ignored, a bare `12 cm^2` or `5.`
-    is not "12" or "5", unlike mathruler). timeout: seconds (rounded up) per math-verify step, SIGALRM so main
-    thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
+    0.5, 1/2 and \\dfrac12 agree; units in \\text or \\mathrm and LaTeX degree signs (^\\circ) are ignored, a bare
+    `12 cm^2` or `5.` is not "12" or "5", unlike mathruler). timeout: seconds (rounded up) per math-verify step,
+    SIGALRM so main thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
     if not answer or answer == ground_truth:  # an empty answer is never right
         return bool(answer)

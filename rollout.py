@@ -6,9 +6,10 @@
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=..., seed=seed)  # seed: per round, rank
     engine.sleep()                                             # give the memory back to the actor
 
-Reads worker.rollout (RolloutConfig) and three attributes the loop adds to it: limit_videos (the most videos in
-one row of the data; trainer.py), and the model's trust_remote_code and override_config (workers.py). Validation passes
-sampling_settings(cfg, val_override_config).
+Reads worker.rollout (config.py's RolloutConfig; modeling.py, beside it, reads the dtypes and override_config) and
+three attributes the loop adds to it: limit_videos (the most videos in one row of the data; trainer.py), and the
+model's trust_remote_code and override_config (workers.py). Validation passes sampling_settings(cfg,
+val_override_config).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional

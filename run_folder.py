@@ -19,7 +19,7 @@ from config import ConfigError, config_to_dict
 
 TRACKER = "checkpoint_tracker.json"
 LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
-STEP_FOLDER = re.compile(r"global_step_(0|[1-9]\d*)")  # a checkpoint's folder in the checkpoint root (as written: no 007)
+STEP_FOLDER = re.compile(r"global_step_(0|[1-9]\d*)")  # a checkpoint's folder in the checkpoint root (no 007)
 LOGGERS = {"console": None, "file": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
            "swanlab": "swanlab"}  # trainer.logger entries -> the package each needs
 

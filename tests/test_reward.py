@@ -299,7 +299,7 @@ def test_builtin_names_and_kwargs():
 
 @pytest.mark.parametrize("spec_tail,kwargs,message", [
     (":nope", {}, "has no function 'nope' .*compute_score"),
-    (":compute_score", {"bonsu": 1}, "cannot take the keyword arguments \\['bonsu'\\]"),
+    (":compute_score", {"bonsu": 1}, "cannot be called with the keyword arguments \\['bonsu'\\]"),
 ])
 def test_load_errors(tmp_path, spec_tail, kwargs, message):
     with pytest.raises(RewardError, match=message):
