@@ -102,6 +102,7 @@ class PromptLoader(collections.abc.Iterator):
         self.rows = load_rows(files, cfg)
         self.indices = check_rows(self.rows, self.builder, cfg.filter_overlong_prompts_workers, cfg.skip_bad_rows)
         self.videos_per_prompt = self.rows.most_items(cfg.video_key)  # for the rollout engine's limits
+        self.images_per_prompt = self.rows.most_items(cfg.image_key)
         self.batch_size = len(self.indices) if batch_size == -1 else batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, cfg.seed, drop_last
         self.batches_per_epoch = (math.floor if drop_last else math.ceil)(len(self.indices) / self.batch_size)

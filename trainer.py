@@ -71,7 +71,7 @@ class Run:
                                             batch_size=d.val_batch_size, drop_last=False, trust_remote_code=remote)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
-        most = max(loader.rows.most_items(d.image_key) for loader in (self.train_loader, self.val_loader))
+        most = max(self.train_loader.images_per_prompt, self.val_loader.images_per_prompt)
         if 0 < (limit := cfg.worker.rollout.limit_images) < most:
             raise ConfigError(f"worker.rollout.limit_images={limit}, but a row holds {most} images: raise it (or 0)")
         self.kl_ctrl = (advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"

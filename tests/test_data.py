@@ -149,7 +149,7 @@ def test_mixed_rows_text_image_video_in_one_batch(tmp_path, toy, model):
              "videos": [raw, raw]}]
     pd.DataFrame(rows).to_parquet(tmp_path / "mix.parquet")
     mixed = loader(toy["vl_model"], str(tmp_path / "mix.parquet"), batch_size=4, shuffle=False)
-    assert mixed.videos_per_prompt == 2
+    assert (mixed.videos_per_prompt, mixed.images_per_prompt) == (2, 1)
     batch = next(mixed)
     assert [(len(p["images"]), len(p["videos"])) for p in batch] == [(0, 0), (1, 0), (0, 1), (1, 2)]
     for prompt in batch:

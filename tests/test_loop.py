@@ -23,7 +23,7 @@ class FakeLoader:
         self.rows = 2048 if "train" in files else 601
         self.batch_size, self.drop_last, self.trust_remote_code = batch_size, drop_last, trust_remote_code
         self.batches_per_epoch = self.rows // batch_size
-        self.videos_per_prompt = 0
+        self.videos_per_prompt = self.images_per_prompt = 0
 
     def __iter__(self):
         return iter([])
