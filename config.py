@@ -266,8 +266,7 @@ def check_config(cfg):
                 "worker.actor.micro_batch_size_per_device_for_update", "worker.actor.max_tokens_per_micro_batch",
                 "worker.actor.micro_batch_size_per_device_for_experience", "worker.actor.ppo_epochs",
                 "worker.rollout.n", "worker.rollout.tensor_parallel_size", "trainer.total_epochs", "trainer.max_steps",
-                "data.max_response_length",
-                "trainer.nnodes", "trainer.n_gpus_per_node"):
+                "trainer.nnodes", "trainer.n_gpus_per_node", "data.max_response_length"):
         if (value := operator.attrgetter(key)(cfg)) is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
@@ -299,8 +298,8 @@ def check_config(cfg):
         raise ConfigError(f"data.mini_rollout_batch_size={d.mini_rollout_batch_size} must be at most "
                           f"data.rollout_batch_size={d.rollout_batch_size} without algorithm.online_filtering")
     for where, s in (("", vars(r)), ("val_override_config.", {**vars(r), **r.val_override_config})):  # at start-up
-        if any(type(s[k]) not in (int, float) for k in ("temperature", "top_p")) or type(s["n"]) is not int \
-                or type(s["top_k"]) is not int or s["n"] < 1 \
+        if any(type(s[k]) not in (int, float) for k in ("temperature", "top_p")) \
+                or any(type(s[k]) is not int for k in ("n", "top_k")) or s["n"] < 1 \
                 or s["temperature"] < 0 or not 0 < s["top_p"] <= 1 or s["top_k"] < -1:  # a dict's values: untyped
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off; n and top_k "

@@ -30,8 +30,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
 Reads cfg.data (config.py's DataConfig, which copies along: it imports no stage; keys documented in
-configs/geo3k.yaml). Relative paths (sources,
-templates) are tried from the working directory, then from this file's folder.
+configs/geo3k.yaml). Relative paths (sources, templates) are tried from the working directory, then from this
+file's folder.
 """
 
 import bisect
