@@ -19,7 +19,7 @@ frames [T, H, W, 3]) and video_metadata.
 Each response is a dict:
     prompt_index:   int         index into the prompts given to generate()
     uid:            str         that prompt's uid
-    response_ids:   list[int]   up to AND including the first EOS of the generation config's EOS list
+    response_ids:   list[int]   up to AND including the first EOS (the generation config's or the tokenizer's)
     logprobs:       list[float] log-prob of each sampled token under the distribution it was sampled from
                                 (after the placeholder ban, temperature, top-k and top-p), same length
     finish_reason:  "stop" | "length"   (length = no EOS within max_tokens: truncated)
@@ -358,8 +358,8 @@ def _response(prompt_index, uid, token_ids, logprobs, eos_ids):
 
 
 def _load_config(cfg, model_path, tokenizer_path):
-    """(the model's config with cfg.override_config, the values it set (apply_overrides), EOS ids of the generation
-    config, placeholder ids to ban, pad id)."""
+    """(the model's config with cfg.override_config, the values it set (apply_overrides), EOS ids: the generation
+    config's and the tokenizer's, placeholder ids to ban, pad id)."""
     trust_remote_code = getattr(cfg, "trust_remote_code", False)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     overrides = apply_overrides(config, getattr(cfg, "override_config", None))
@@ -369,12 +369,12 @@ def _load_config(cfg, model_path, tokenizer_path):
         except OSError:
             generation = GenerationConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         eos, pad = generation.eos_token_id, generation.pad_token_id
-    except OSError:  # no generation_config.json: fall back to the tokenizer
+    except OSError:  # no generation_config.json: the tokenizer's
         eos = pad = None
-    if eos is None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos += [tokenizer.eos_token_id] if tokenizer.eos_token_id not in (None, *eos) else []  # vLLM stops there too
+    pad = tokenizer.pad_token_id if pad is None else pad
     if not eos:
         raise ValueError(f"no EOS token id in the generation config or tokenizer at {tokenizer_path}")
     banned = [getattr(config, key, None) for key in ("image_token_id", "video_token_id")]

@@ -555,3 +555,18 @@ def test_eos_list_from_the_tokenizer_folders_generation_config_when_the_model_ha
     shutil.copytree(toy["vl_model"], tmp_path / "m", ignore=lambda d, names: ["generation_config.json"])
     _, _, eos, banned, pad = rollout._load_config(config(), str(tmp_path / "m"), toy["vl_model"])
     assert (eos, banned, pad) == ([IM_END, ENDOFTEXT], [IMAGE_PAD, VIDEO_PAD], ENDOFTEXT)
+
+
+def test_the_tokenizers_eos_ends_a_response_also_when_the_generation_config_lists_others(toy, world, tmp_path):
+    """vLLM stops at the tokenizer's EOS as well as the generation config's (SamplingParams.update_from_generation_
+    config): with a generation config of [<|endoftext|>] and a tokenizer whose EOS is <|im_end|>, a response ends at
+    <|im_end|> as "stop" in both engines, not run to max_tokens and called truncated."""
+    shutil.copytree(toy["vl_model"], tmp_path / "m")
+    path = tmp_path / "m" / "generation_config.json"
+    path.write_text(re.sub(r'"eos_token_id": \[[^\]]*\]', f'"eos_token_id": [{ENDOFTEXT}]', path.read_text()))
+    assert rollout._load_config(config(), str(tmp_path / "m"), str(tmp_path / "m"))[2] == [ENDOFTEXT, IM_END]
+    engine = rollout.make_rollout(config(), str(tmp_path / "m"), max_prompt_length=64, max_response_length=4,
+                                  device="cpu")
+    fresh(engine, world, prefer={IM_END: 5.0})
+    out = engine.generate(world.prompts, n=1, temperature=1.0, max_tokens=4, seed=0)
+    assert [(r["response_ids"], r["finish_reason"]) for r in out] == [([IM_END], "stop")] * 3
