@@ -327,9 +327,9 @@ class Actor:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         mini_size = self._mini_batch_size()
-        if len(samples) % mini_size:
-            raise ValueError(f"Actor.update: {len(samples)} samples on rank {self.rank} is not a multiple of the "
-                             f"mini-batch size {mini_size} (worker.actor.global_batch_size={c.global_batch_size} x "
+        if not samples or len(samples) % mini_size:  # none: no optimizer step, so no step of the LR schedule either
+            raise ValueError(f"Actor.update: {len(samples)} samples on rank {self.rank} is not a positive multiple of "
+                             f"the mini-batch size {mini_size} (worker.actor.global_batch_size={c.global_batch_size} x "
                              f"n={self.n_per_prompt} / {self.world} ranks)")
         minis = self._chunks(len(samples), mini_size)
         self.onload(optimizer=True)

@@ -491,6 +491,14 @@ def test_entropy_and_rollout_metrics_without_tis_cap(toy, samples):
     assert "actor/rollout_logp_abs_diff" not in actor.update(fresh)
 
 
+def test_an_update_without_samples_is_an_error_and_leaves_the_schedule(toy):
+    """update([]) made no optimizer step but moved the LR schedule on: now a ValueError, the schedule where it was."""
+    actor = make_actor(make_cfg(toy["text_model"], **{"optim.lr_warmup_steps": 2}))
+    with pytest.raises(ValueError, match="0 samples on rank 0"):
+        actor.update([])
+    assert actor.lr_scheduler.last_epoch == 0 and actor.optimizer.param_groups[0]["lr"] == 0.0
+
+
 def test_default_token_budget_is_micro_batch_size_times_prompt_plus_response(toy):
     """No max_tokens_per_micro_batch, micro_batch_size_per_device_for_update 2: the budget is 2 x (64 + 8) = 144,
     so four text samples of 70 tokens pack two by two, balanced: [[0, 2], [1, 3]] (136 tokens would need 4)."""

@@ -110,7 +110,8 @@ LOOP_LIMIT = 4545  # the aim is 4,000; 4,223 when this test was written, every f
 # corrected where a reader was misled (LoRA's reference pass, remax's flat groups, the estimators' keywords; +2); 4,545 with
 # data.py, actor.py and rollout.py naming the project files a copy needs beside it (+5); 4,546 with data.py's
 # images_per_prompt beside videos_per_prompt (+1); 4,545 after a review of the session's change (-1);
-# 4,545 with the tokenizer's EOS ending a response in both engines, as in vLLM (+0)
+# 4,545 with the tokenizer's EOS ending a response in both engines, as in vLLM (+0); 4,545 with Actor.update([]) refused
+# (it stepped the LR schedule; +0)
 
 
 def test_the_loop_reads_in_a_few_sittings():
