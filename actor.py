@@ -172,6 +172,8 @@ def kl_penalty(logp, ref_logp, kind="low_var_kl"):
     As a loss on samples from pi, the expected gradient of k2 is grad KL(pi || ref) (the reverse KL),
     that of k3 is grad KL(ref || pi) (the forward KL), and that of k1 is zero.
     """
+    if logp.shape != ref_logp.shape:  # else broadcast to [tokens, tokens] without a word
+        raise ValueError(f"kl_penalty: logp {list(logp.shape)} and ref_logp {list(ref_logp.shape)}: one shape")
     d = logp.float() - ref_logp.float()  # [tokens]
     if kind == "kl":
         return d

@@ -4,19 +4,19 @@
     adv = compute_advantages("remax", scores, uids, baselines=greedy_scores)
     adv = compute_advantages("reinforce_plus_plus", scores, uids, lengths=lengths, token_kl=kl, kl_coef=beta)
 
-scores [N]: the reward function's "overall"; uids [N]: group ids (str or int) in any order, a group being every
-response with the same uid. KL in the reward (algorithm.use_kl_loss = false): token_kl, N tensors [L_i] of the
-per-token KL estimate, times kl_coef (beta); REINFORCE++ subtracts beta * kl_{i,t} token by token, every other
-estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
+scores [N]: the reward function's "overall"; uids [N]: group ids (str, int: hashable values, or a tensor) in any
+order, a group being every response with the same uid. KL in the reward (algorithm.use_kl_loss = false): token_kl,
+N tensors [L_i] of the per-token KL estimate, times kl_coef (beta); REINFORCE++ subtracts beta * kl_{i,t} token by
+token, every other estimator sees r_i = score_i - beta * sum_t kl_{i,t}.
 Outputs: float32 [N], one advantage per response (broadcast over its tokens by the actor); for TOKEN_LEVEL
 estimators N float32 tensors [L_i]. A group without spread (max - min <= FLAT) gets exactly 0 from every estimator
 that compares a group's responses (not remax); a group of one is an error naming its uid unless allow_singletons=True
 (advantage 0).
 """
 
+import math
 import types
 
-import numpy as np
 import torch
 
 FLAT = 1e-6  # max - min <= FLAT: a group without spread
@@ -115,6 +115,8 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
     if name in TOKEN_LEVEL:
         if lengths is None and token_kl is None:
             raise ValueError(f"{name} computes one advantage per token: pass lengths (in tokens) or token_kl")
+        if torch.is_tensor(token_kl) and lengths is None:  # a padded [N, L]: its padding would count as tokens
+            raise ValueError("token_kl: a list of N tensors [L_i], one per response (or pass lengths)")
         lengths = [len(k) for k in token_kl] if lengths is None else [int(n) for n in lengths]
         return ESTIMATORS[name](as_scores(scores, uids), lengths, token_kl, kl_coef, **opts)
     if token_kl is not None:
@@ -131,6 +133,8 @@ def kl_in_reward(scores, kl_sums, beta):
     scores, kl_sums = torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(kl_sums, dtype=torch.float64)
     if scores.shape != kl_sums.shape or scores.dim() != 1:
         raise ValueError(f"kl_in_reward: scores {list(scores.shape)}, kl_sums {list(kl_sums.shape)}: must both be [N]")
+    if bad := torch.nonzero(~torch.isfinite(kl_sums)).flatten().tolist():  # else blamed on the scores
+        raise ValueError(f"kl_sums: {kl_sums[bad[0]].item()} at position {bad[0]} is not finite (the KL estimate)")
     return scores - beta * kl_sums
 
 
@@ -173,9 +177,15 @@ class AdaptiveKLController:
     n_steps: responses in the step (EasyR1 passes the batch size)."""
 
     def __init__(self, init_kl_coef, target_kl, horizon):
+        if not (target_kl > 0 and horizon > 0):
+            raise ValueError(f"target_kl={target_kl} and horizon={horizon} must be > 0 (algorithm.kl_target, "
+                             "kl_horizon)")
         self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
 
     def update(self, current_kl, n_steps):
+        if not math.isfinite(current_kl) or n_steps >= 5 * self.horizon:  # beta NaN for good, or turned negative
+            raise ValueError(f"current_kl={float(current_kl)} must be finite and n_steps={n_steps} must be below 5 x "
+                             f"horizon = {5 * self.horizon:g}")
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 
@@ -188,7 +198,7 @@ def groups_to_keep(values, uids, low, high, spread=None):
     a ZERO_WHEN_FLAT estimator gives a flat group all-zero advantages. spread=None tests only the mean, as EasyR1."""
     s = group_stats(values, uids, allow_singletons=True)
     keep = (s.mean > low) & (s.mean < high)  # [G]
-    if spread is not None:  # the same groups in the same order: both sorted by uid
+    if spread is not None:  # the same groups in the same order: by first appearance
         keep &= ~group_stats(spread, uids, allow_singletons=True).flat
     return {s.names[i] for i in torch.nonzero(keep).flatten().tolist()}
 
@@ -219,12 +229,16 @@ def as_scores(scores, uids, what="score"):
 
 
 def group_stats(scores, uids, allow_singletons=False, what="score"):
-    """The groups of `scores` by uid: x [N] f64 (checked scores), g [N] group numbers, names [G] (sorted uids),
-    and per group [G] n (size), mean, std (unbiased, two-pass), max, flat (max - min <= FLAT). A group of one
-    raises unless allow_singletons (then flat)."""
-    x = as_scores(scores, uids, what)
-    names, g = np.unique(np.asarray(uids), return_inverse=True)
-    g, names = torch.from_numpy(g.reshape(-1)).long(), names.tolist()
+    """The groups of `scores` by uid: x [N] f64 (checked scores), g [N] group numbers, names [G] (the uids as given,
+    in order of first appearance) and per group [G] n (size), mean, std (unbiased, two-pass), max, flat (max - min
+    <= FLAT). A group of one raises unless allow_singletons (then flat)."""
+    x, uids = as_scores(scores, uids, what), uids.tolist() if hasattr(uids, "tolist") else uids  # a tensor: values
+    try:
+        index = {}
+        g = torch.tensor([index.setdefault(u, len(index)) for u in uids], dtype=torch.long)
+    except TypeError:  # unhashable
+        raise ValueError(f"uids must be hashable (str or int), got {uids[0]!r}") from None
+    names = list(index)
     n = group_reduce(torch.ones_like(x), g, len(names))
     if not allow_singletons and (lonely := [names[i] for i in torch.nonzero(n == 1).flatten().tolist()]):
         raise ValueError(f"{len(lonely)} group(s) have a single response (uid {lonely[0]!r}"

@@ -3,6 +3,7 @@
 the KL controllers, online filtering and the metrics."""
 
 import math
+import re
 import random
 import statistics
 
@@ -148,12 +149,13 @@ def test_reinforce_plus_plus_by_hand():
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_reinforce_plus_plus_non_finite_kl_is_an_error(bad):
     """A NaN or inf KL estimate (a broken forward pass) would make every token's advantage NaN through the
-    batch whitening: an error naming the response instead, as the other estimators give (via their scores)."""
+    batch whitening: an error naming the response instead; the other estimators name the KL sum's position."""
     kl = [torch.tensor([0.1, 0.2]), torch.tensor([0.3, bad, 0.0])]
     with pytest.raises(ValueError, match="response 1: score 0.0 - beta 0.1 \\* token_kl has NaN or inf values"):
         compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], token_kl=kl, kl_coef=0.1)
-    with pytest.raises(ValueError, match="position 1 \\(uid 'a'\\) is not finite"):
+    with pytest.raises(ValueError, match=f"kl_sums: {bad} at position 1 is not finite"):
         compute_advantages("grpo", [1.0, 0.0], ["a", "a"], token_kl=kl, kl_coef=0.1)
+
 
 def easyr1_reinforce_plus_plus(scores, lengths, token_kl, beta):
     """EasyR1/veRL's computation on a padded [N, L_max] batch with a response mask (the loop of
@@ -394,3 +396,38 @@ def test_token_level_advantages_do_not_carry_the_kl_graph():
     assert not any(g.requires_grad for g in got)
     std = math.sqrt(0.37 + 1e-8)
     assert torch.allclose(torch.cat(got), torch.tensor([0.3 / std, 0.4 / std, -0.7 / std]), atol=1e-6, rtol=0)
+
+
+def test_uids_group_by_the_callers_own_values_and_come_back_as_given():
+    """Groups are the uid values as the caller's Python objects: int 5 and str "5" are two groups (numpy's unique
+    made one of them), a tensor of uids groups by value, tuples and None work, and groups_to_keep returns the
+    caller's own uids (it returned numpy's str or int conversions, so `5 in keep` could be False)."""
+    got = advantage.rloo([2.0, 0.0, 1.0, 3.0], [5, 5, "5", "5"])
+    assert torch.equal(got, torch.tensor([2.0, -2.0, -2.0, 2.0]))
+    assert torch.equal(advantage.rloo([2.0, 0.0, 1.0, 3.0], torch.tensor([7, 7, 3, 3])), got)
+    assert advantage.groups_to_keep([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [5, 5, "a", "a", (1, 2), (1, 2)],
+                                    low=0.01, high=0.99) == {5}
+    assert advantage.groups_to_keep([1.0, 0.0, 1.0, 1.0], [None, None, "b", "b"], low=0.01, high=0.99) == {None}
+    with pytest.raises(ValueError, match=r"uids must be hashable \(str or int\), got \['a'\]"):
+        advantage.grpo([1.0, 0.0], [["a"], ["a"]])
+
+
+def test_kl_inputs_that_would_pass_silently_are_errors():
+    """A padded [N, L] token_kl (EasyR1's layout) would count its padding as response tokens in REINFORCE++, and a
+    NaN KL was blamed on the scores; both now say what is wrong."""
+    with pytest.raises(ValueError, match=r"token_kl: a list of N tensors \[L_i\]"):
+        compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "a"], token_kl=torch.ones(2, 3), kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"kl_sums: nan at position 0 is not finite"):
+        compute_advantages("grpo", [1.0, 0.0], ["a", "a"], token_kl=[torch.tensor([float("nan")]), torch.ones(1)],
+                           kl_coef=0.1)
+
+
+@pytest.mark.parametrize("args, update, match", [
+    ((0.1, 0.0, 1e4), None, "target_kl=0.0 and horizon=10000.0 must be > 0"),
+    ((0.1, 6.0, 100), (0.0, 1000), "n_steps=1000 must be below 5 x horizon = 500"),
+    ((0.1, 6.0, 1e4), (float("nan"), 256), "current_kl=nan must be finite")])
+def test_adaptive_kl_controller_refuses_what_would_zero_divide_flip_or_poison_beta(args, update, match):
+    """Target 0 divided by zero; n_steps > 5 x horizon turned beta negative (the KL a bonus); a NaN KL made beta NaN
+    for good. config.py checks the first two for the trainer; the controller itself, for a copy of this module."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        advantage.AdaptiveKLController(*args).update(*update)

@@ -442,6 +442,12 @@ def test_kl_unknown_kind_lists_kinds():
         kl_penalty(torch.zeros(2), torch.zeros(2), "full")
 
 
+def test_kl_of_two_shapes_is_an_error_not_a_broadcast():
+    """[4] against [4, 1] broadcast to a [4, 4] KL without a word."""
+    with pytest.raises(ValueError, match=r"kl_penalty: logp \[4\] and ref_logp \[4, 1\]"):
+        kl_penalty(torch.zeros(4), torch.zeros(4, 1))
+
+
 def test_kl_gradient_directions_on_a_categorical():
     """On samples from pi (expectation taken exactly over 3 categories): grad E[k1] = 0,
     grad E[k2] = grad KL(pi || ref) (reverse), grad E[k3] = grad KL(ref || pi) (forward)."""
