@@ -152,8 +152,8 @@ class HFRollout:
         shape = None if positions is None else tuple(torch.as_tensor(positions).shape)
         if shape not in ((self.position_rows if mm else 1, length), (self.position_rows, length)):
             raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids of shape {shape}, expected "
-                             f"({self.position_rows}, {length}) or (1, {length}); image prompts need data.py's mrope "
-                             "position_ids [4, P]")
+                             f"({self.position_rows}, {length}){'' if mm else f' or (1, {length})'}; image prompts "
+                             "need data.py's mrope position_ids [4, P]")
         return torch.as_tensor(positions).expand(self.position_rows, -1)
 
     @torch.no_grad()

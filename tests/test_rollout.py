@@ -398,7 +398,8 @@ def test_empty_prompts_image_prompts_without_mrope_rows_and_max_tokens_0_are_err
             engine.generate(prompts, n=1, max_tokens=2)
     image = world.prompts[0]
     text_row = {**image, "position_ids": torch.arange(len(image["prompt_ids"]))[None]}
-    with pytest.raises(ValueError, match=r"prompt 1 \(uid a\): position_ids of shape \(1, \d+\), expected \(4, "):
+    with pytest.raises(ValueError, match=r"prompt 1 \(uid a\): position_ids of shape \(1, \d+\), expected "
+                                         r"\(4, \d+\); image"):  # only (4, P): (1, P) is for text prompts
         engine.generate([world.prompts[1], text_row], n=1, max_tokens=2)
     text_only = {**world.prompts[1], "position_ids": torch.arange(len(world.prompts[1]["prompt_ids"]))[None]}
     assert len(engine.generate([text_only], n=1, max_tokens=2)) == 1  # a text prompt's one row is all four alike
