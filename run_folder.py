@@ -1,8 +1,8 @@
 """run_folder.py: the files a run keeps in trainer.save_checkpoint_path. Logger writes experiment_log.jsonl (a row
-of metrics per step), generations.log, experiment_config.json, metrics.png and the tracking backends; a resume cuts
-both logs back to its checkpoint's steps (Logger.rewind). find_checkpoint picks the global_step_N folder a run resumes
-from, checked complete (checkpoint_problem) before any worker starts; remove_old_checkpoints keeps save_limit of them.
-trainer.py's Run.save_checkpoint writes a checkpoint's files, checkpoint_tracker.json last. Imports no stage."""
+of metrics per step), generations.log, metrics.png and the tracking backends, cut back on resume (Logger.rewind).
+find_checkpoint picks the global_step_N folder a run resumes from, checked complete (checkpoint_problem) before any
+worker starts; set_aside_later and remove_old_checkpoints move or remove others. trainer.py writes the checkpoints
+(Run.save_checkpoint: checkpoint_tracker.json last) and experiment_config.json. Imports no stage."""
 
 import functools
 import importlib.util
@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 
 import torch
@@ -36,7 +37,6 @@ class Logger:
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
         self.names, self.root, self.purge_step, self.jsonl_path = names, root, None, self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)
-        write_atomic(os.path.join(root, "experiment_config.json"), json.dumps(config, indent=2))
         self.sinks = []  # (log a row: f(metrics, step), close: f()) of each tracking backend asked for
         if "tensorboard" in names:  # opened at the first row, with rewind's purge_step: a resumed step shows once
             from torch.utils.tensorboard import SummaryWriter
@@ -62,12 +62,13 @@ class Logger:
             self.sinks.append((lambda m, step: swanlab.log(m, step=step), swanlab.finish))
 
     def log(self, metrics, step, amend=False):
-        """One row per step in experiment_log.jsonl. amend: merge into the last row when it is `step`'s (a resumed
-        run's validation of the step it resumes from), replacing the file atomically, so no step has two rows."""
+        """One row per step in experiment_log.jsonl. amend: merge into `step`'s row if there is one (a resumed run's
+        validation of the step it resumes from), replacing the file atomically, so no step has two rows."""
         metrics = {k: float(v) for k, v in metrics.items()}
         lines = open(self.jsonl_path).readlines() if amend else []
-        if lines and lines[-1].endswith("\n") and json.loads(lines[-1]).get("step") == step:
-            lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics}) + "\n"
+        rows = [i for i, line in enumerate(lines) if line.endswith("\n") and json.loads(line).get("step") == step]
+        if rows:
+            lines[rows[-1]] = json.dumps({**json.loads(lines[rows[-1]]), **metrics}) + "\n"
             self.jsonl.close()
             write_atomic(self.jsonl_path, "".join(lines))
             self.jsonl = open(self.jsonl_path, "a")
@@ -169,22 +170,15 @@ def find_checkpoint(root, load_path, find_last):
         if later := [s for s in saved_steps(root) if s > int(name[1])
                      and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
             print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"
-                  f"checkpoint_path={load_path}: the steps after {name[1]} run again, replacing their checkpoints and "
-                  f"log rows there; unset trainer.load_checkpoint_path to resume from it", flush=True)
+                  f"checkpoint_path={load_path}: the steps after {name[1]} run again (their checkpoints move to "
+                  f"earlier_<time>/, their log rows go); unset trainer.load_checkpoint_path to resume from the later"
+                  f" one", flush=True)
         return load_path
     tracker, steps, problems = os.path.join(root, TRACKER), saved_steps(root)[::-1], []
     if not steps and not os.path.exists(tracker):
         return None
-    if not find_last:  # a fresh start: the earlier run's logs, tracker and checkpoints go to root/earlier_<time>/, so
-        # that the new run neither cuts those logs nor overwrites or rotates away those checkpoints
-        aside = os.path.join(root, time.strftime("earlier_%Y%m%d_%H%M%S"))
-        names = [n for n in os.listdir(root) if n in (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png",
-                                                       "tensorboard") or STEP_FOLDER.fullmatch(n)]
-        os.makedirs(aside)
-        for name in names:
-            os.rename(os.path.join(root, name), os.path.join(aside, name))
-        print(f"trainer.find_last_checkpoint=false: the earlier run's files in {root} moved to {aside}", flush=True)
-        return None
+    if not find_last:  # a fresh start: the earlier run's files go aside (none cut, overwritten or rotated away)
+        return move_aside(root, "trainer.find_last_checkpoint=false")
     last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
     if problem:  # unreadable, or missing: folders copied here, or a first save stopped before the tracker
         print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)
@@ -200,13 +194,36 @@ def find_checkpoint(root, load_path, find_last):
         if problems:
             print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
         return path
-    if not os.path.exists(tracker):  # e.g. a first save that stopped: a fresh start replaces it when reached
-        print(f"none is complete ({'; '.join(problems)}): starting afresh", flush=True)
-        return None
+    if not os.path.exists(tracker):  # e.g. a first save that stopped, or save_model_only checkpoints copied here
+        return move_aside(root, f"none is complete ({'; '.join(problems)}): starting afresh")
     raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
                           f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
                           f"afresh with trainer.find_last_checkpoint=false (they are moved aside) or another "
                           f"trainer.save_checkpoint_path")
+
+
+def set_aside_later(root, path, step, best):
+    """A resume from `path` (step `step`): root's checkpoints of later steps (they run again) go to earlier_<time>/
+    and the tracker names `step` (or goes with them: `path` is another run's), so that the folders, the tracker and
+    the logs (Logger.rewind) agree, also when this run stops before it saves again."""
+    if later := [f"global_step_{s}" for s in saved_steps(root) if s > step]:
+        inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
+        tracker = [] if inside or not os.path.exists(os.path.join(root, TRACKER)) else [TRACKER]
+        move_aside(root, f"resuming from {path}: the later steps run again", later + tracker)
+        if inside:
+            write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
+
+
+def move_aside(root, why, names=None):
+    """Move root's `names` (default: a run's logs, tracker and checkpoints) to a new root/earlier_<time>/, saying so."""
+    run = (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png", "tensorboard")
+    names = [n for n in os.listdir(root) if n in run or STEP_FOLDER.fullmatch(n)] if names is None else names
+    if names:
+        aside = tempfile.mkdtemp(prefix=time.strftime("earlier_%Y%m%d_%H%M%S_"), dir=root)  # a new folder
+        os.chmod(aside, 0o755)
+        for name in names:
+            os.rename(os.path.join(root, name), os.path.join(aside, name))
+        print(f"{why}: {', '.join(names)} moved from {root} to {aside}", flush=True)
 
 
 def checkpoint_problem(path):

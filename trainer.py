@@ -29,7 +29,7 @@ import rollout
 from config import ConfigError, config_to_dict, load_config
 from modeling import apply_overrides
 from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoint, remove_checkpoint,
-                        remove_old_checkpoints, write_atomic)
+                        remove_old_checkpoints, set_aside_later, write_atomic)
 from workers import WorkerGroup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,6 +86,9 @@ class Run:
         self.workers = WorkerGroup(cfg, self.training_steps)
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
+        if not t.val_only:  # once the resume is through: a refused one leaves the config that trained
+            config = json.dumps(config_to_dict(cfg), indent=2)
+            write_atomic(os.path.join(self.ckpt_root, "experiment_config.json"), config)
         self.train_iter = iter(self.train_loader)
 
     def fit(self):
@@ -290,7 +293,7 @@ class Run:
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by find_checkpoint), or start fresh when None."""
         if path is None:
-            return self.logger.rewind(-1)  # an earlier attempt's rows: those steps run again
+            return None if self.cfg.trainer.val_only else self.logger.rewind(-1)  # an earlier attempt's rows run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         try:
             self.workers.load(os.path.join(path, "actor"))
@@ -302,8 +305,9 @@ class Run:
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
-        again = self.cfg.trainer.val_before_train or self.cfg.trainer.val_only  # step's generations logged again
-        self.logger.rewind(self.step, self.step - 1 if again else None)  # wherever it lies: later steps run again
+        if not self.cfg.trainer.val_only:  # the later steps run again (val_only: nothing does, its row is amended)
+            set_aside_later(self.ckpt_root, path, self.step, self.best)
+            self.logger.rewind(self.step, self.step - 1 if self.cfg.trainer.val_before_train else None)
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):
@@ -436,7 +440,9 @@ def main(argv=None):
     try:
         run.fit()
     except KeyboardInterrupt:
-        print(f"\ninterrupted at step {run.step}; the last complete checkpoint is in {run.ckpt_root}", flush=True)
+        saved = os.path.exists(os.path.join(run.ckpt_root, TRACKER))
+        print(f"\ninterrupted at step {run.step}; " + (f"the last complete checkpoint is in {run.ckpt_root}" if saved
+                                                      else f"no checkpoint in {run.ckpt_root} yet"), flush=True)
         raise SystemExit(130)
     finally:
         run.close()

@@ -160,6 +160,9 @@ def test_no_tracker_and_no_complete_checkpoint_is_a_fresh_start_and_with_a_track
     break_checkpoint(tmp_path / "global_step_1", "trainer_state.json missing")
     assert run_folder.find_checkpoint(str(tmp_path), None, True) is None
     assert "none is complete (global_step_1: trainer_state.json is missing): starting afresh" in capsys.readouterr().out
+    aside = next(tmp_path.glob("earlier_*"))  # not cut and deleted as its steps are saved again: moved, weights kept
+    assert (aside / "global_step_1" / "actor" / "model" / ".metadata").exists() and not folders(tmp_path)
+    assert [json.loads(line)["step"] for line in open(aside / "experiment_log.jsonl")] == [1]
     save_steps(tmp_path, [1])
     break_checkpoint(tmp_path / "global_step_1", "extra_state.pt missing")
     with pytest.raises(run_folder.CheckpointError, match=r"no complete checkpoint to resume from: global_step_1: "
@@ -275,6 +278,7 @@ def test_another_data_config_is_a_one_line_checkpoint_error_before_ray_starts(tm
     loaded (minutes for a 7B model), as a traceback."""
     save_steps(tmp_path, [1])
     torch.save({"epoch": 0, "batch": 1, "batch_size": 8}, tmp_path / "global_step_1" / "dataloader.pt")
+    (tmp_path / "experiment_config.json").write_text('{"data": {"rollout_batch_size": 512}}')  # the run's
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *args: pytest.fail("Ray started before the data was checked"))
     code = trainer.main([f"data.train_files={toy['colors']}@train", f"data.val_files={toy['colors']}@test",
                          f"worker.actor.model.model_path={toy['vl_model']}", "trainer.logger=[file]",
@@ -286,6 +290,8 @@ def test_another_data_config_is_a_one_line_checkpoint_error_before_ray_starts(tm
     assert err[0].startswith(f"checkpoint error: cannot resume from {tmp_path / 'global_step_1'}: ")
     assert "saved with batch_size=8, now it is 4" in err[0] and "Keep data.rollout_batch_size" in err[0]
     assert "find_last_checkpoint=false" in err[0]
+    saved = json.load(open(tmp_path / "experiment_config.json"))  # the config that trained, not the refused one's
+    assert saved["data"]["rollout_batch_size"] == 512, "a refused resume overwrote experiment_config.json"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,6 +416,35 @@ def test_a_run_resumed_from_another_runs_checkpoint_and_run_again_logs_each_step
     out = capsys.readouterr().out
     assert out.count("warning") == 1 and f"warning: {tmp_path / 'b'} holds global_step_4, a complete checkpoint " \
                                           f"later than trainer.load_checkpoint_path={tmp_path / 'a'}" in out, out
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_so_a_plain_resume_agrees(tmp_path, capsys):
+    """load_checkpoint_path=global_step_1 with steps 2, 3 saved, stopped before its next save: the logs were cut to step
+    1, but the tracker still said 3, so a plain resume went on from 3 without rows 2 and 3. Now 2 and 3 move aside."""
+    run_loop(tmp_path, run_id=1, training_steps=3, save_freq=1)
+    fake_run(tmp_path, make_cfg(load_checkpoint_path=str(tmp_path / "global_step_1"))).logger.close()  # stopped
+    assert f"resuming from {tmp_path / 'global_step_1'}: the later steps run again: global_step_2, global_step_3 " \
+           f"moved from {tmp_path} to {tmp_path}/earlier_" in capsys.readouterr().out
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
+    assert len(aside) == 1 and folders(aside[0]) == [2, 3] and folders(tmp_path) == [1]
+    assert run_folder.checkpoint_problem(str(aside[0] / "global_step_3")) is None
+    assert json.load(open(tmp_path / run_folder.TRACKER))["last_global_step"] == 1
+    assert run_loop(tmp_path, run_id=2, training_steps=3, save_freq=1).step == 3  # a plain resume
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"]) for r in rows] == [(1, 1), (2, 2), (3, 2)]
+
+
+def test_validating_an_older_checkpoint_leaves_the_run_as_it_is(tmp_path, capsys):
+    """val_only with load_checkpoint_path=global_step_1 cut the logs back to step 1, though nothing runs again."""
+    run_loop(tmp_path, run_id=1, training_steps=3, save_freq=1)
+    run = fake_run(tmp_path, make_cfg(val_only=True, load_checkpoint_path=str(tmp_path / "global_step_1")), 3)
+    run.validate = lambda: {"val/reward_score": 0.5}
+    assert run.fit() == {"val/reward_score": 0.5}
+    run.logger.close()
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"], r.get("val/reward_score")) for r in rows] == [(1, 1, 0.5), (2, 1, None), (3, 1, 0.0)]
+    assert folders(tmp_path) == [1, 2, 3] and json.load(open(tmp_path / run_folder.TRACKER))["last_global_step"] == 3
+    assert "dropped" not in capsys.readouterr().out
 
 
 def test_a_resume_with_no_step_left_says_so(tmp_path, capsys):
