@@ -240,7 +240,8 @@ def checkpoint_problem(path):
         if problem := _load(path, name, lambda p: torch.load(p, weights_only=True))[1]:
             return problem
     for name in ("actor/model", "actor/optim"):
-        metadata, problem = _load(path, name, lambda p: FileSystemReader(p).read_metadata())
+        metadata, problem = _load(path, f"{name}/.metadata", lambda p: FileSystemReader(os.path.dirname(p))
+                                  .read_metadata())  # named: "actor/optim is missing" misled when only it was
         if problem:
             return problem
         for info in metadata.storage_data.values():

@@ -109,7 +109,7 @@ def save_steps(root, steps, **trainer_keys):
 
 BREAKS = {  # how a checkpoint is broken -> (break it, what the resume says)
     "extra_state.pt missing": (lambda p: os.remove(p / "actor" / "extra_state.pt"), "actor/extra_state.pt is missing"),
-    "optim missing": (lambda p: [os.remove(f) for f in (p / "actor" / "optim").iterdir()], "actor/optim is missing"),
+    "optim missing": (lambda p: [os.remove(f) for f in (p / "actor" / "optim").iterdir()], "actor/optim/.metadata is missing"),
     "model shard truncated": (lambda p: open(p / "actor" / "model" / "__0_0.distcp", "r+b").truncate(10),
                               "actor/model/__0_0.distcp is missing or truncated"),
     "trainer_state.json missing": (lambda p: os.remove(p / "trainer_state.json"), "trainer_state.json is missing"),
@@ -220,7 +220,7 @@ def test_an_explicit_checkpoint_must_be_complete(tmp_path):
     save_steps(tmp_path, [1, 2])
     break_checkpoint(tmp_path / "global_step_2", "optim missing")
     path = str(tmp_path / "global_step_2")
-    with pytest.raises(run_folder.CheckpointError, match=r"cannot resume from .*global_step_2: actor/optim is missing"):
+    with pytest.raises(run_folder.CheckpointError, match=r"cannot resume from .*global_step_2: actor/optim/.metadata is missing"):
         run_folder.find_checkpoint(str(tmp_path), path, True)
     assert run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_1"), True).endswith("global_step_1")
     with pytest.raises(run_folder.CheckpointError, match="must be an existing global_step_N folder"):
