@@ -203,10 +203,12 @@ def find_checkpoint(root, load_path, find_last):
 
 
 def set_aside_later(root, path, step, best):
-    """A resume from `path` (step `step`): root's checkpoints of later steps (they run again) go to earlier_<time>/
-    and the tracker names `step` (or goes with them: `path` is another run's), so that the folders, the tracker and
-    the logs (Logger.rewind) agree, also when this run stops before it saves again."""
-    if later := [f"global_step_{s}" for s in saved_steps(root) if s > step]:
+    """A resume from `path` (step `step`): root's complete checkpoints of later steps (they run again) go to
+    earlier_<time>/ and the tracker names `step` (or goes with them: `path` is another run's), so that the folders,
+    the tracker and the logs (Logger.rewind) agree, also when this run stops before it saves again. An incomplete
+    later folder (a save cut short) stays, to be replaced when its step is saved."""
+    if later := [f"global_step_{s}" for s in saved_steps(root) if s > step
+                 and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
         inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
         tracker = [] if inside or not os.path.exists(os.path.join(root, TRACKER)) else [TRACKER]
         move_aside(root, f"resuming from {path}: the later steps run again", later + tracker)

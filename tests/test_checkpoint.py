@@ -4,6 +4,7 @@ nn.Linear through actor.Actor's own save_checkpoint / load_checkpoint (torch.dis
 import importlib.machinery
 import json
 import os
+import shutil
 import sys
 import types
 
@@ -422,11 +423,12 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_so_a_plain_
     """load_checkpoint_path=global_step_1 with steps 2, 3 saved, stopped before its next save: the logs were cut to step
     1, but the tracker still said 3, so a plain resume went on from 3 without rows 2 and 3. Now 2 and 3 move aside."""
     run_loop(tmp_path, run_id=1, training_steps=3, save_freq=1)
+    shutil.copytree(tmp_path / "global_step_3", tmp_path / "global_step_4", ignore=lambda *_: ["trainer_state.json"])
     fake_run(tmp_path, make_cfg(load_checkpoint_path=str(tmp_path / "global_step_1"))).logger.close()  # stopped
     assert f"resuming from {tmp_path / 'global_step_1'}: the later steps run again: global_step_2, global_step_3 " \
            f"moved from {tmp_path} to {tmp_path}/earlier_" in capsys.readouterr().out
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
-    assert len(aside) == 1 and folders(aside[0]) == [2, 3] and folders(tmp_path) == [1]
+    assert len(aside) == 1 and folders(aside[0]) == [2, 3] and folders(tmp_path) == [1, 4]  # 4: a save cut short
     assert run_folder.checkpoint_problem(str(aside[0] / "global_step_3")) is None
     assert json.load(open(tmp_path / run_folder.TRACKER))["last_global_step"] == 1
     assert run_loop(tmp_path, run_id=2, training_steps=3, save_freq=1).step == 3  # a plain resume
