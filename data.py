@@ -25,7 +25,7 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
                                     [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
     position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
                                     get_rope_index, re-based by trained_positions), [1, P] for text models
-    ground_truth        str         the answer column
+    ground_truth        str         the answer column as written (a whole float, from type inference, as an integer)
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
@@ -232,7 +232,10 @@ class PromptBuilder:
                                if config.model_type in ("qwen3_vl", "qwen3_vl_moe") else None)
         if cfg.format_prompt:  # a mistyped `{{ question }}` rendered '' for every row: the question gone, no error
             env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-            ast = env.parse(_read_text(cfg.format_prompt, "data.format_prompt").strip())
+            try:
+                ast = env.parse(_read_text(cfg.format_prompt, "data.format_prompt").strip())
+            except jinja2.TemplateSyntaxError as e:
+                raise DataError(f"data.format_prompt ({cfg.format_prompt}) line {e.lineno}: {e.message}") from None
             if (names := jinja2.meta.find_undeclared_variables(ast)) != {"content"}:
                 raise DataError(f"data.format_prompt ({cfg.format_prompt}) must use {{{{ content }}}}, the row's "
                                 f"prompt, and no other variable; it uses {sorted(names)}")
@@ -255,11 +258,13 @@ class PromptBuilder:
                 attention_mask=torch.ones_like(ids).unsqueeze(0))  # [3, 1, P]
             mrope = trained_positions(mrope[:, 0], out["mm_token_type_ids"][0])  # [3, P]
             position_ids = torch.cat([position_ids, mrope.to(position_ids.dtype)])  # [4, P]
-        skip = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}
+        skip, answer = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}, row[cfg.answer_key]
+        # '7', not '7.0': type inference makes an integer column float (a blank CSV cell, or jsonl's 3 beside 2.5)
+        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
                 "multi_modal_inputs": {k: out[k] for k in MM_KEYS if k in out}, "position_ids": position_ids,
-                "ground_truth": str(row[cfg.answer_key]), "extra": {k: v for k, v in row.items() if k not in skip}}
+                "ground_truth": answer, "extra": {k: v for k, v in row.items() if k not in skip}}
 
     def encode(self, row, where):
         """(text, raw_ids, the processor's output, resized images, each video's frames, their metadata)."""
@@ -320,7 +325,8 @@ class PromptBuilder:
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
         answer = row.get(cfg.answer_key)  # the reward compares with it: None, blank, [], () or {} is no answer
-        if answer is None or not str(answer).strip() or isinstance(answer, (list, tuple, dict)) and not answer:
+        if answer is None or not str(answer).strip() or isinstance(answer, (list, tuple, dict)) and not answer \
+                or isinstance(answer, float) and math.isnan(answer):
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
         if self.template:
             content = self.template.render(content=content)
@@ -569,7 +575,7 @@ def _read_text(path, key):
     local = _local_path(path)
     if local is None or not os.path.isfile(local):
         where = " and ".join(dict.fromkeys([os.getcwd(), HERE]))  # one folder when run from beside data.py
-        raise FileNotFoundError(f"{key}: file not found: {path} (looked in {where})")
+        raise DataError(f"{key}: file not found: {path} (looked in {where})")
     with open(local) as f:
         return f.read()
 

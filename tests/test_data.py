@@ -368,7 +368,7 @@ def test_format_templates_system_prompt_and_chat_template_override(tmp_path, toy
     assert over.prompt_text({"problem": "Hi", "answer": "x"}, "r")[0] == "[system] Be brief.\n[user] Hi\n[assistant] "
     assert tokenizer.chat_template == (tmp_path / "chat.jinja").read_text()  # the trainer's tokenizer agrees
     for key in ("format_prompt", "override_chat_template"):
-        with pytest.raises(FileNotFoundError, match=f"data.{key}: file not found: configs/format/nope.jinja"):
+        with pytest.raises(data.DataError, match=f"data.{key}: file not found: configs/format/nope.jinja"):
             builder(toy["text_model"], config(**{key: "configs/format/nope.jinja"}))
 
 

@@ -226,3 +226,24 @@ def test_an_empty_list_answer_is_no_answer(toy):
         with pytest.raises(data.DataError, match=re.escape(f"r3: no answer in column 'answer' ({answer!r})")):
             text.prompt_text({"problem": "Q?", "answer": answer}, "r3")
     assert text.build({"problem": "Q?", "answer": 0}, 3, "r3")["ground_truth"] == "0"
+
+
+def test_numeric_answers_keep_their_written_form_and_nan_is_no_answer(toy, tmp_path):
+    """A CSV column of integers with one blank cell (or jsonl answers 3 and 2.5) comes back as floats: the ground
+    truth read '7.0' for '7', which an exact-match reward scores 0; a NaN answer became the ground truth 'nan'."""
+    text = builder(toy["text_model"])
+    assert [text.build({"problem": "Q?", "answer": a}, 0, "r0")["ground_truth"] for a in (7.0, 2.5, 7, -0.0)] == \
+        ["7", "2.5", "7", "0"]
+    with pytest.raises(data.DataError, match=re.escape("r1: no answer in column 'answer' (nan)")):
+        text.prompt_text({"problem": "Q?", "answer": float("nan")}, "r1")
+    (tmp_path / "a.csv").write_text("problem,answer\nWhat is 3+4?,7\nmissing?,\nx?,2\n")
+    rows = data.load_rows(str(tmp_path / "a.csv"), config(skip_bad_rows=True))
+    assert [text.build(rows[i], i, f"r{i}")["ground_truth"] for i in (0, 2)] == ["7", "2"]
+
+
+def test_a_broken_format_prompt_is_a_data_error_naming_the_file(toy, tmp_path):
+    """A template syntax error was a jinja2 traceback without the file's name, and a missing file a FileNotFoundError:
+    neither the one-line error the command line prints for data problems."""
+    (tmp_path / "bad.jinja").write_text("{{ content ")
+    with pytest.raises(data.DataError, match=r"data.format_prompt \(.*bad.jinja\) line 1: unexpected end of template"):
+        builder(toy["text_model"], config(format_prompt=str(tmp_path / "bad.jinja")))
