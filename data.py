@@ -62,6 +62,7 @@ from transformers import AutoConfig, AutoModel, AutoProcessor, AutoTokenizer
 logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
+SPLIT_WORDS = ("train", "test", "validation", "val", "dev", "eval")  # a folder's files by the words in their paths
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
 _MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
 
@@ -513,7 +514,7 @@ def load_rows(spec, cfg):
         split = split or "train"
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(local) for f in names  # train/, *_train.*
                        if os.path.splitext(f)[1] in FILE_BUILDERS and f not in ("dataset_info.json", "state.json")
-                       and re.search(rf"(?<![a-zA-Z]){re.escape(split)}", os.path.relpath(os.path.join(d, f), local)))
+                       and _of_split(os.path.relpath(os.path.join(d, f), local), split))
         if not files:
             raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name or folder word starting "
                             f"{split!r}")
@@ -531,6 +532,15 @@ def load_rows(spec, cfg):
     if len(rows) == 0:
         raise DataError(f"'{spec}' has no rows")
     return rows
+
+
+def _of_split(relpath, split):
+    """Whether a dataset folder's file at `relpath` is of `split`: the innermost part of the path with a word starting
+    a split's name decides (fold/test_v2/train.parquet is train only: its folder made it test too)."""
+    for part in reversed(relpath.split(os.sep)):
+        if found := {w for w in (split, *SPLIT_WORDS) if re.search(rf"(?<![a-zA-Z]){re.escape(w)}", part)}:
+            return split in found
+    return False
 
 
 def _read_file(path):

@@ -86,3 +86,16 @@ def test_a_folder_with_one_subfolder_per_split(tmp_path, layout):
         rows = data.load_rows(f"{tmp_path / 'ds'}@{split}", config())
         assert [rows[i] for i in range(len(rows))] == splits[split], split
         assert rows.where(0).startswith(str(tmp_path / "ds" / split / "data-00000-of-00001."))
+
+
+def test_a_file_belongs_to_the_split_its_own_name_says_before_its_folders(tmp_path):
+    """fold/test_v2/train.parquet went into @train (its name) and @test (its folder): test rows trained on. The
+    innermost part of the path naming a split decides: the file's name, else its nearest folder."""
+    files = {"train.parquet": ROWS[:1], "test.parquet": ROWS[1:2], "test_v2/train.parquet": ROWS[2:3],
+             "test_v2/data.parquet": ROWS[3:]}
+    for name, rows in files.items():
+        (tmp_path / "fold" / name).parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_parquet(tmp_path / "fold" / name)
+    for split, want in (("train", ROWS[:1] + ROWS[2:3]), ("test", ROWS[1:2] + ROWS[3:])):
+        rows = data.load_rows(f"{tmp_path / 'fold'}@{split}", config())
+        assert sorted(map(str, (rows[i] for i in range(len(rows))))) == sorted(map(str, want)), split
