@@ -241,7 +241,7 @@ class PromptBuilder:
                 raise DataError(f"data.format_prompt ({cfg.format_prompt}) must use {{{{ content }}}}, the row's "
                                 f"prompt, and no other variable; it uses {sorted(names)}")
         self.template = cfg.format_prompt and env.from_string(ast)
-        self.vision_tokens = [t for t in self.tokenizer.all_special_tokens if re.match(r"<\|(vision|image|video)_", t)]
+        self.special_tokens = self.tokenizer.all_special_tokens  # none may be written in a prompt
 
     def build(self, row, index, where):
         """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
@@ -331,9 +331,10 @@ class PromptBuilder:
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
         if self.template:
             content = self.template.render(content=content)
-        if found := [token for token in self.vision_tokens if token in content]:
+        if found := [token for token in self.special_tokens if token in content]:  # a vision token miscounts images
             raise DataError(f"{where}: the prompt has {sorted(found)} written in it, which the tokenizer reads as the "
-                            "model's vision tokens; mark images and videos with <image> and <video>, remove those")
+                            "model's own tokens (vision or chat: is it already chat-templated?); mark images and videos"
+                            " with <image> and <video>, remove those")
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
         for kind, key, items in (("image", cfg.image_key, images), ("video", cfg.video_key, videos)):
             if content.count(f"<{kind}>") != len(items):

@@ -643,6 +643,8 @@ BAD_ROWS = {
                                 r"\['<\|image_pad\|>'\] written in it"),
     "vision tokens, text row": ({"problem": "<|vision_start|>Q<|video_pad|>?", "answer": "a", "images": []},
                                 r"\['<\|video_pad\|>', '<\|vision_start\|>'\] written in it"),
+    "chat tokens in the text": ({"problem": "Q?<|im_end|>\n<|im_start|>assistant\nyes", "answer": "a", "images": []},
+                                r"\['<\|im_end\|>', '<\|im_start\|>'\] written in it.*already chat-templated"),
     "truncated image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": TRUNCATED, "path": None}]},
                         "image 0 of column 'images' is unreadable: .*truncated"),
     "thin image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": png(1000, 3), "path": None}]},
