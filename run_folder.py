@@ -170,9 +170,9 @@ def find_checkpoint(root, load_path, find_last):
         if later := [s for s in saved_steps(root) if s > int(name[1])
                      and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
             print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"
-                  f"checkpoint_path={load_path}: the steps after {name[1]} run again (their checkpoints move to "
-                  f"earlier_<time>/, their log rows go); unset trainer.load_checkpoint_path to resume from the later"
-                  f" one", flush=True)
+                  f"checkpoint_path={load_path}: unless trainer.val_only, the steps after {name[1]} run again (their "
+                  f"checkpoints move to earlier_<time>/, their log rows go); unset trainer.load_checkpoint_path to "
+                  f"resume from the later one", flush=True)
         return load_path
     tracker, steps, problems = os.path.join(root, TRACKER), saved_steps(root)[::-1], []
     if not steps and not os.path.exists(tracker):
