@@ -25,7 +25,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
                                     [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
     position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
                                     get_rope_index, re-based by trained_positions), [1, P] for text models
-    ground_truth        str         the answer column as written (a whole float, from type inference, as an integer)
+    ground_truth        str         the answer column as written (a whole float, from type inference, as an integer;
+                                    a list or dict as it is)
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
@@ -261,7 +262,8 @@ class PromptBuilder:
             position_ids = torch.cat([position_ids, mrope.to(position_ids.dtype)])  # [4, P]
         skip, answer = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}, row[cfg.answer_key]
         # '7', not '7.0': type inference makes an integer column float (a blank CSV cell, or jsonl's 3 beside 2.5)
-        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
+        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else \
+            answer if isinstance(answer, (list, dict)) else str(answer)  # a list or dict as it is, as in EasyR1
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
                 "multi_modal_inputs": {k: out[k] for k in MM_KEYS if k in out}, "position_ids": position_ids,

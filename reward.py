@@ -7,7 +7,7 @@
 A reward input (one per response):
     response:        str   the decoded response (special tokens skipped)
     response_length: int   its length in tokens
-    ground_truth:    str   the row's answer
+    ground_truth:    str   the row's answer (a list or dict answer as it is)
     prompt:          str   the prompt text
     extra:           dict  the row's other columns (e.g. a difficulty or a task type)
 A reward function returns one dict of finite floats per input, the same keys for every input, with at least

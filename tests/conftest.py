@@ -22,6 +22,19 @@ def toy():
     return toy_world.ensure_toy(os.path.join(ROOT, ".toy"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_left_by_vllm():
+    """vLLM's in-process engine (distributed_executor_backend="external_launcher") starts a one-rank torch.distributed
+    group and leaves it: a later module's CPU Actor would take itself for sharded. End it after each module."""
+    yield
+    import torch.distributed as dist
+
+    if "vllm" in sys.modules and dist.is_available() and dist.is_initialized():
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (minutes); still run in CI")
 

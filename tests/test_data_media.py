@@ -241,6 +241,14 @@ def test_numeric_answers_keep_their_written_form_and_nan_is_no_answer(toy, tmp_p
     assert [text.build(rows[i], i, f"r{i}")["ground_truth"] for i in (0, 2)] == ["7", "2"]
 
 
+def test_a_list_answer_reaches_the_reward_as_it_is(toy):
+    """EasyR1 passes the answer column's value as it is; a list of accepted answers became its repr "['4', 'four']",
+    which a reward written for EasyR1 (`any(... for gold in ground_truth)`) walks character by character."""
+    text = builder(toy["text_model"])
+    assert text.build({"problem": "Q?", "answer": ["4", "four"]}, 0, "r0")["ground_truth"] == ["4", "four"]
+    assert text.build({"problem": "Q?", "answer": {"low": 1, "high": 2}}, 0, "r0")["ground_truth"] == {"low": 1, "high": 2}
+
+
 def test_a_broken_format_prompt_is_a_data_error_naming_the_file(toy, tmp_path):
     """A template syntax error was a jinja2 traceback without the file's name, and a missing file a FileNotFoundError:
     neither the one-line error the command line prints for data problems."""
