@@ -374,7 +374,8 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
         logp_t = z_t[y_t] - logsumexp(z_t)          entropy_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
 
     Chunks of `chunk` rows, each under activation checkpointing when gradients are on, so at most one
-    [chunk, vocab] fp32 block exists at a time (forward and backward). Entropy carries no gradient.
+    [chunk, vocab] fp32 block exists at a time (forward and backward). Entropy carries no gradient. No rows still
+    go through the head (one empty chunk): every rank's backward must reach every FSDP2 reduction.
     """
     def head(h, y):
         z = lm_head(h).float() / temperature  # [c, V]
@@ -384,8 +385,6 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
             ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else z.new_zeros(0)
         return logp, ent
 
-    if not len(hidden):  # no response tokens: keep the graph connected to the model
-        return hidden.sum(-1).float() * 0.0, hidden.new_zeros(0, dtype=torch.float32)
     run = functools.partial(checkpoint, head, use_reentrant=False) if torch.is_grad_enabled() else head
     logps, ents = zip(*(run(h, y) for h, y in zip(hidden.split(chunk), labels.split(chunk))))
     return torch.cat(logps), torch.cat(ents)

@@ -120,7 +120,8 @@ def test_response_log_probs_divide_by_temperature_in_fp32():
 
 def test_response_log_probs_of_no_tokens_stay_in_the_graph():
     """No response tokens: empty log-probs and entropies that still depend on the model, so a backward through
-    them works and gives the body zero gradients (a rank with only empty responses joins FSDP's reductions)."""
+    them works and gives the body and the head zero gradients: a rank with only empty responses joins FSDP's
+    reductions with every gradient, the head's included (without it, 2 ranks aborted on a collective mismatch)."""
     body = torch.nn.Linear(4, 6)
     head = torch.nn.Linear(6, 10, bias=False)
     hidden = body(torch.randn(3, 4))[:0]
@@ -128,6 +129,7 @@ def test_response_log_probs_of_no_tokens_stay_in_the_graph():
     assert logp.shape == (0,) and ent.shape == (0,) and logp.dtype == torch.float32
     logp.sum().backward()
     assert body.weight.grad is not None and not body.weight.grad.any()
+    assert head.weight.grad is not None and not head.weight.grad.any()
 
 
 # ----------------------------------------------------------------------------------------------
