@@ -68,10 +68,11 @@ def ensure_toy(root=".toy", seed=0):
     names = ("vl_model", "text_model", "colors", "sums", "vl_warm", "text_warm", "video_colors")
     paths = {name: os.path.join(root, name) for name in names}
     stamp = os.path.join(root, "VERSION")
-    if os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}":
+    if _built(stamp, seed):
         return paths
     os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".toy-build-", dir=os.path.dirname(root) or ".")
+    os.chmod(tmp, 0o777 & ~_umask())  # a usual folder once in place (mkdtemp makes it 0700)
     tokenizer = build_tokenizer()
     build_vl_model(os.path.join(tmp, "vl_model"), tokenizer, seed)
     build_text_model(os.path.join(tmp, "text_model"), tokenizer, seed)
@@ -82,12 +83,29 @@ def ensure_toy(root=".toy", seed=0):
     warm_start(os.path.join(tmp, "text_model"), os.path.join(tmp, "text_warm"), "sums", seed)
     with open(os.path.join(tmp, "VERSION"), "w") as f:
         f.write(f"{TOY_VERSION} {seed}\n")
-    try:
-        shutil.rmtree(root, ignore_errors=True)
-        os.rename(tmp, root)
-    except OSError:  # another process won the race; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not _built(stamp, seed):  # else another build finished first: others may be reading its identical copy
+        old = tempfile.mkdtemp(prefix=".toy-old-", dir=os.path.dirname(root) or ".")
+        try:
+            os.rename(root, os.path.join(old, "toy"))  # an older version, or a build cut short
+        except FileNotFoundError:
+            pass
+        try:
+            os.rename(tmp, root)
+        except OSError:  # another build took the place meanwhile
+            pass
+        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     return paths
+
+
+def _built(stamp, seed):
+    return os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}"
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def build_tokenizer(pad_to=None):

@@ -78,6 +78,34 @@ def test_toy_world_is_deterministic_and_cached(tmp_path):
     assert os.path.getmtime(os.path.join(first["vl_model"], "model.safetensors")) == stamp
 
 
+def test_a_build_that_loses_the_race_keeps_the_winners_world(tmp_path, monkeypatch):
+    """Two processes build at once: the one that finishes second deleted the first one's finished world (which
+    others were already reading) before renaming its own copy into place. It now keeps the finished one; an older
+    version is replaced, and no build folder is left behind."""
+    import toy as toy_world
+
+    root = tmp_path / "toy"
+    for name in ("build_vl_model", "build_text_model", "_write_task"):
+        monkeypatch.setattr(toy_world, name, lambda path, *args, **kwargs: os.makedirs(path))
+    monkeypatch.setattr(toy_world, "build_tokenizer", lambda: None)
+
+    def warm_start_while_another_build_finishes(base, out, task, seed):
+        os.makedirs(out)
+        if winner:
+            (root / "vl_model").mkdir(parents=True, exist_ok=True)
+            (root / "VERSION").write_text(f"{toy_world.TOY_VERSION} {seed}\n")
+    monkeypatch.setattr(toy_world, "warm_start", warm_start_while_another_build_finishes)
+    winner = True
+    toy_world.ensure_toy(str(root))
+    assert (root / "vl_model").exists() and not (root / "vl_warm").exists(), "the winner's world was replaced"
+    (root / "VERSION").write_text("an older version 0\n")
+    winner = False
+    toy_world.ensure_toy(str(root))
+    assert (root / "vl_warm").exists() and (root / "VERSION").read_text() == f"{toy_world.TOY_VERSION} 0\n"
+    assert os.listdir(tmp_path) == ["toy"], os.listdir(tmp_path)
+    assert os.stat(root).st_mode & 0o777 == 0o777 & ~toy_world._umask(), "not a usual folder (mkdtemp's 0700)"
+
+
 def test_padded_tokenizer_encodes_like_the_toy_one_and_decodes_every_id():
     # The 3B-sized timing model's tokenizer: the toy vocabulary plus placeholders up to Qwen's size.
     import toy as toy_world
