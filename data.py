@@ -393,9 +393,20 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
     """(frames uint8 [T, H, W, 3] RGB, metadata as in the prompt dict): the video decoded with PyAV, sampled at
     `fps` frames per second (sample_frame_indices), each frame resized as process_image resizes an image.
     `video`: a path (relative: joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}. A file whose
-    frames do not all decode (truncated, corrupt) raises."""
+    frames do not all decode (truncated, corrupt) raises. Or a list of frames (each as process_image takes an
+    image), read as qwen-vl-utils reads one: every frame, the last repeated to an even count, at `fps`."""
     import av  # PyAV, only for video rows
 
+    if isinstance(video, (list, tuple, numpy.ndarray)):
+        if not len(video):
+            raise ValueError("an empty list of frames")
+        frames = [numpy.asarray(process_image(frame, min_pixels, max_pixels, image_dir)) for frame in video]
+        frames += frames[-1:] * (len(frames) % 2)
+        sizes = [f"{f.shape[1]}x{f.shape[0]}" for f in frames]
+        if odd := next((i for i, size in enumerate(sizes) if size != sizes[0]), None):
+            raise ValueError(f"frame {odd} is {sizes[odd]} after resizing, frame 0 {sizes[0]}: one size for a video")
+        return numpy.stack(frames), {"fps": fps, "duration": len(frames) / fps, "total_num_frames": len(frames),
+                                     "frames_indices": list(range(len(frames))), "video_backend": "frames"}
     with av.open(_source(video, image_dir)) as container:
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or 0)

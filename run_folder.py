@@ -5,7 +5,6 @@ worker starts; set_aside_later and remove_old_checkpoints move or remove others.
 (Run.save_checkpoint: checkpoint_tracker.json last) and experiment_config.json. Imports no stage."""
 
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from config import ConfigError, config_to_dict
+from config import config_to_dict
 
 TRACKER = "checkpoint_tracker.json"
 LOG_FILES = ("experiment_log.jsonl", "generations.log")  # in the checkpoint root, cut back on resume (Logger.rewind)
@@ -30,10 +29,6 @@ class Logger:
     asked, as EasyR1 calls them (SwanLab reads SWANLAB_API_KEY, SWANLAB_DIR and SWANLAB_MODE)."""
 
     def __init__(self, root, names, cfg):
-        for name in names:  # before anything is written: a missing package is a one-line error
-            if LOGGERS[name] and importlib.util.find_spec(LOGGERS[name]) is None:
-                raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
-                                  f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
         self.names, self.root, self.purge_step, self.jsonl_path = names, root, None, self.jsonl.name
         t, config = cfg.trainer, config_to_dict(cfg)

@@ -10,6 +10,7 @@ Run.train_step is the README's loop, a short block per stage; self.workers runs 
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -57,10 +58,6 @@ class Run:
                                                          **{**timeout, **rw.reward_function_kwargs})
         except reward.RewardError as e:  # a wrong path, name or keyword: one line, like a config error
             raise ConfigError(str(e)) from None
-        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
-        os.makedirs(self.ckpt_root, exist_ok=True)
-        checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
-        self.logger = Logger(self.ckpt_root, t.logger, cfg)
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)
         batch = d.mini_rollout_batch_size or d.rollout_batch_size  # prompts a generation round
@@ -81,6 +78,10 @@ class Run:
         if self.training_steps < 1:
             raise ConfigError(f"{batches} batches of {batch} prompts per epoch make no step of data.rollout_batch_size="
                               f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
+        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
+        os.makedirs(self.ckpt_root, exist_ok=True)  # after the data's checks: a bad row moves no earlier run aside
+        checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
+        self.logger = Logger(self.ckpt_root, t.logger, cfg)  # and starts no tracker run
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
         self.workers = WorkerGroup(cfg, self.training_steps)
@@ -401,6 +402,10 @@ def check_choices(cfg):
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     if unknown := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
+    for name in cfg.trainer.logger:  # (a folder named like the package, e.g. wandb's run folder, is no package)
+        if LOGGERS[name] and getattr(importlib.util.find_spec(LOGGERS[name]), "origin", None) is None:
+            raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
+                              f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
     if unknown := sorted(set(cfg.worker.rollout.val_override_config) - set(rollout.SAMPLING_KEYS)):  # at start-up
         raise ConfigError(f"worker.rollout.val_override_config has {unknown}; choose from {[*rollout.SAMPLING_KEYS]}")
     for section, fsdp in fsdps.items():

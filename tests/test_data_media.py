@@ -127,6 +127,25 @@ def test_process_video_decodes_samples_and_resizes(tmp_path):
     assert small.shape == (4, 56, 56, 3)
 
 
+def test_a_list_of_frames_is_one_video_as_qwen_vl_utils_reads_it(tmp_path, vl):
+    """EasyR1's reader (qwen-vl-utils) takes a list of frame images as one video: every frame, each resized as an
+    image, the last repeated to an even count, at the configured rate. It was a TypeError here."""
+    for i in range(3):
+        Image.new("RGB", (200, 100), COLOR_LIST[i]).save(tmp_path / f"f{i}.png")
+    frames, metadata = data.process_video(["f0.png", "f1.png", "f2.png"], 3136, 12544, 2.0, image_dir=str(tmp_path))
+    assert frames.shape == (4, 79, 158, 3) and frames.dtype.name == "uint8"  # as process_image: 158 x 79
+    assert [tuple(f[40, 79]) for f in frames] == [COLOR_LIST[0], COLOR_LIST[1], COLOR_LIST[2], COLOR_LIST[2]]
+    assert metadata == {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
+                        "video_backend": "frames"}
+    prompt = vl.build({"problem": "<video>Which colour comes first?", "answer": "red",
+                       "videos": [[png(56, 56, COLOR_LIST[0]), {"bytes": png(56, 56, COLOR_LIST[1])}]]}, 0, "r0")
+    assert prompt["multi_modal_inputs"]["video_grid_thw"].tolist() == [[1, 4, 4]]  # 2 frames: one temporal patch
+    with pytest.raises(ValueError, match=r"frame 1 is 56x112 after resizing, frame 0 56x56: one size for a video"):
+        data.process_video([png(56, 56), png(56, 112)], 3136, 12544, 2.0)
+    with pytest.raises(ValueError, match="an empty list of frames"):
+        data.process_video([], 3136, 12544, 2.0)
+
+
 def test_16_bit_grey_is_divided_by_257_rounding_down():
     # v // 257 by hand: 256 -> 0 (not 1, as v // 256 or v >> 8 give), 65280 = 257 * 254 + 2 -> 254 (not 255).
     grey = Image.fromarray(torch.tensor([[256, 65280]] * 4, dtype=torch.uint16).numpy())

@@ -209,15 +209,20 @@ def test_a_wrong_reward_function_stops_the_run_before_the_data_is_read_or_a_file
 
 
 def test_a_bad_data_file_is_a_one_line_error_before_ray_starts(tmp_path, toy, monkeypatch, capsys):
-    """A DataError at start-up (here: a row without its answer) printed a 20-line traceback above its message."""
+    """A DataError at start-up (here: a row without its answer) printed a 20-line traceback above its message. And a
+    fresh start (find_last_checkpoint=false) had moved the earlier run's files aside before the data was read."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "What is 3 + 4?"}\n')
+    (tmp_path / "run" / "global_step_1").mkdir(parents=True)
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the data was checked"))
+    monkeypatch.setattr(trainer, "Logger", lambda *a: pytest.fail("trackers started before the data was checked"))
     code = trainer.main(["--config", os.path.join(ROOT, "configs", "toy_text.yaml"), f"data.train_files={bad}",
-                         f"data.val_files={bad}", f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+                         f"data.val_files={bad}", f"trainer.save_checkpoint_path={tmp_path / 'run'}",
+                         "trainer.find_last_checkpoint=false"])
     err = [line for line in capsys.readouterr().err.splitlines()  # without datasets' progress bars
            if line.strip() and "Generating" not in line]
     assert code == 2 and len(err) == 1 and err[0].startswith("data error: ") and "bad.jsonl" in err[0], err
+    assert os.listdir(tmp_path / "run") == ["global_step_1"], "the earlier run's files moved before the data error"
 
 
 def test_rows_with_more_images_than_limit_images_stop_the_run_before_ray(tmp_path, monkeypatch, capsys):
