@@ -151,7 +151,7 @@ def aggregate_loss(per_token_loss, cu_seqlens, mode="token", global_tokens=None,
     _check_flat(cu_seqlens, per_token_loss=per_token_loss)
     if mode == "token":  # no tokens at all (every response empty): 0, not 0 / 0
         return per_token_loss.sum() / max(per_token_loss.numel() if global_tokens is None else global_tokens, 1)
-    denominator = cu_seqlens.numel() - 1 if global_seqs is None else global_seqs
+    denominator = max(cu_seqlens.numel() - 1 if global_seqs is None else global_seqs, 1)  # no sequences: 0, as above
     if mode == "seq":
         return _per_sequence_mean(per_token_loss, cu_seqlens, broadcast=False).sum() / denominator
     if seq_len_norm is None:  # seq_sum_norm

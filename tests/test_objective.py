@@ -298,6 +298,8 @@ def test_all_responses_empty_token_mean_is_zero_not_nan():
     cu = torch.tensor([0, 0, 0], dtype=torch.int32)
     for counts in ({}, {"global_tokens": 0}):
         assert aggregate_loss(torch.zeros(0), cu, "token", **counts).item() == 0.0
+    for mode in ("seq", "seq_sum_norm"):  # a caller's count of 0 sequences (a copied objective's): 0, not NaN
+        assert aggregate_loss(torch.zeros(0), cu, mode, global_seqs=0, seq_len_norm=8).item() == 0.0
     logp = torch.zeros(1, requires_grad=True)  # a dummy micro-batch's one token, scaled by 0 as actor.update does
     (aggregate_loss(logp * 2.0, torch.tensor([0, 1]), "token", global_tokens=0) * 0.0).backward()
     assert logp.grad.tolist() == [0.0]
