@@ -408,6 +408,8 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
         return numpy.stack(frames), {"fps": fps, "duration": len(frames) / fps, "total_num_frames": len(frames),
                                      "frames_indices": list(range(len(frames))), "video_backend": "frames"}
     with av.open(_source(video, image_dir)) as container:
+        if not container.streams.video:
+            raise ValueError(f"no video stream in the file, only {[s.type for s in container.streams]}")
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or 0)
         total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)

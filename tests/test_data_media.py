@@ -146,6 +146,21 @@ def test_a_list_of_frames_is_one_video_as_qwen_vl_utils_reads_it(tmp_path, vl):
         data.process_video([], 3136, 12544, 2.0)
 
 
+def test_a_file_without_a_video_stream_says_so(tmp_path):
+    """An audio-only file was an IndexError: tuple index out of range."""
+    import av
+    import numpy
+
+    with av.open(str(tmp_path / "a.mp4"), "w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=16000)
+        frame = av.AudioFrame.from_ndarray(numpy.zeros((1, 1024), numpy.float32), format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    with pytest.raises(ValueError, match=re.escape("no video stream in the file, only ['audio']")):
+        data.process_video(str(tmp_path / "a.mp4"), 3136, 12544, 2.0)
+
+
 def test_16_bit_grey_is_divided_by_257_rounding_down():
     # v // 257 by hand: 256 -> 0 (not 1, as v // 256 or v >> 8 give), 65280 = 257 * 254 + 2 -> 254 (not 255).
     grey = Image.fromarray(torch.tensor([[256, 65280]] * 4, dtype=torch.uint16).numpy())
