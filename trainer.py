@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 
+import pandas
 import torch
 import yaml
 from tqdm import tqdm
@@ -303,6 +304,13 @@ class Run:
                     "set trainer.find_last_checkpoint=false (its files are moved aside)."
                     if self.cfg.trainer.load_checkpoint_path is None else "")
             raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
+        saved = os.path.join(os.path.dirname(os.path.abspath(path)), "experiment_config.json")
+        if os.path.exists(saved):  # allowed (more steps, another learning rate), but said
+            old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}
+                        for tree in (json.load(open(saved)), json.loads(json.dumps(config_to_dict(self.cfg)))))
+            if changed := [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old | new)
+                           if old.get(k) != new.get(k)]:
+                print(f"resuming {path} under other settings than {saved}'s: {'; '.join(changed)}", flush=True)
         self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])

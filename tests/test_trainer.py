@@ -269,3 +269,20 @@ def test_video_rows_train_end_to_end(tmp_path, toy):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["prompt_length/mean"] > 8  # 8 video tokens in every prompt
     assert rows[-1]["rollout/logp_diff_max"] < 0.02 and "actor/pg_loss" in rows[-1]
+
+
+def test_a_resume_under_other_settings_names_them(tmp_path, capsys, monkeypatch):
+    """A run started again in its folder with another learning rate resumed without a word, training on with the
+    new one: the keys that differ from the run's experiment_config.json are now said (a resume may change them)."""
+    from test_checkpoint import fake_run, make_cfg, save_steps
+
+    monkeypatch.setattr(trainer.actor, "save_hf_files", lambda *args, **kwargs: None)  # no model to copy from
+    save_steps(tmp_path, [1])
+    (tmp_path / "experiment_config.json").write_text(json.dumps(trainer.config_to_dict(make_cfg())))
+    fake_run(tmp_path, make_cfg()).logger.close()
+    assert "other settings" not in capsys.readouterr().out
+    cfg = make_cfg(max_steps=9)
+    cfg.worker.actor.optim.lr = 3e-6
+    fake_run(tmp_path, cfg).logger.close()
+    assert (f"resuming {tmp_path}/global_step_1 under other settings than {tmp_path}/experiment_config.json's: "
+            "trainer.max_steps: None -> 9; worker.actor.optim.lr: 1e-06 -> 3e-06") in capsys.readouterr().out
