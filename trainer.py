@@ -32,7 +32,7 @@ from config import ConfigError, config_to_dict, load_config
 from modeling import apply_overrides
 from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoint, remove_checkpoint,
                         remove_old_checkpoints, set_aside_later, write_atomic)
-from workers import WorkerGroup
+from workers import WorkerGroup, show_logs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,6 +44,10 @@ class Run:
     def __init__(self, cfg):
         self.cfg, t, d, a = cfg, cfg.trainer, cfg.data, cfg.algorithm
         check_choices(cfg)  # main checked them too; here also for a Run made from Python
+        for name in t.logger:  # (a folder named like the package, e.g. wandb's run folder, is no package)
+            if LOGGERS[name] and getattr(importlib.util.find_spec(LOGGERS[name]), "origin", None) is None:
+                raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
+                                  f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
         _ensure_toy_world(cfg)
         model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
         try:  # override_config's keys, checked against the model's config now, not in each worker's setup
@@ -410,10 +414,6 @@ def check_choices(cfg):
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     if unknown := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
-    for name in cfg.trainer.logger:  # (a folder named like the package, e.g. wandb's run folder, is no package)
-        if LOGGERS[name] and getattr(importlib.util.find_spec(LOGGERS[name]), "origin", None) is None:
-            raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
-                              f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
     if unknown := sorted(set(cfg.worker.rollout.val_override_config) - set(rollout.SAMPLING_KEYS)):  # at start-up
         raise ConfigError(f"worker.rollout.val_override_config has {unknown}; choose from {[*rollout.SAMPLING_KEYS]}")
     for section, fsdp in fsdps.items():
@@ -432,6 +432,7 @@ def main(argv=None):
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value")
     args = parser.parse_args(argv)
+    show_logs()
     easyr1 = [o for o in args.overrides if o.startswith("config=")]  # its scripts: main config=examples/config.yaml
     if len(files := ([args.config] if args.config else []) + [o.partition("=")[2] for o in easyr1]) > 1:
         parser.exit(2, f"config error: one config file, got {files} (--config path, or config=path)\n")

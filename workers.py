@@ -4,6 +4,7 @@ WorkerGroup splits lists of plain dicts over the workers, calls every worker and
 
 import copy
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -28,6 +29,7 @@ class Worker:
     """Lives in its own process. Holds the policy (FSDP2), the reference and the rollout engine."""
 
     def setup(self, cfg, rank, world_size, master, device, training_steps):
+        show_logs()
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         if device == "cpu":
@@ -223,6 +225,14 @@ class device_peak:
             self.done.set()
             self.thread.join()
             self.memory[self.name] = max(self.memory.get(self.name, 0.0), self.peak / 2**30)
+
+
+def show_logs():
+    """The project's info messages (the attention backend, the rows a filter dropped, ...) on stderr beside its
+    warnings, in the driver and in each worker; other libraries' loggers keep their levels."""
+    logging.basicConfig(format="%(message)s")
+    for name in ("actor", "config", "data", "modeling"):
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def _worker_env():

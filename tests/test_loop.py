@@ -146,10 +146,11 @@ def test_missing_logger_package_is_a_one_line_error_before_anything_is_written(t
         monkeypatch.syspath_prepend(str(tmp_path))
     else:
         monkeypatch.setitem(sys.modules, name, None)  # find_spec then says: not installed
-    cfg = load_config(None, [f"trainer.logger=[file,{name}]"])
+    cfg = load_config(None, [f"trainer.logger=[file,{name}]", f"trainer.save_checkpoint_path={tmp_path}"])
     with pytest.raises(ConfigError, match=f"trainer.logger has {name}, but the {name} package is not installed: "
                                           f"pip install {name}"):
-        trainer.check_choices(cfg)
+        trainer.Run(cfg)
+    assert list(tmp_path.iterdir()) == ([tmp_path / name] if folder else [])
 
 
 # --- the loop: when it validates ----------------------------------------------------------------

@@ -71,3 +71,16 @@ def test_more_workers_than_gpus_is_a_config_error_not_a_wait(monkeypatch):
     with pytest.raises(ConfigError, match=r"trainer.nnodes x trainer.n_gpus_per_node = 2 workers need a GPU each; "
                                           r"Ray sees 1 "):
         workers.WorkerGroup(cfg, training_steps=1)
+
+
+def test_the_projects_info_messages_are_shown_and_other_libraries_stay_quiet():
+    """The attention backend, the rows a filter dropped and other info messages were never shown: nothing set up
+    logging, so Python printed warnings only. The README promises the backend's line."""
+    import subprocess
+    import sys
+
+    code = ("import logging, workers, modeling; workers.show_logs(); modeling._log_backend('sdpa'); "
+            "logging.getLogger('some_library').info('chatter'); logging.getLogger('data').warning('a warning')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=workers.HERE, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-2:] == ["actor: attention backend sdpa", "a warning"], done.stderr
