@@ -273,7 +273,7 @@ def main(argv=None):
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
     args = parser.parse_args(argv)
     try:
-        print(f"merged {args.local_dir} -> {merge_checkpoint(**vars(args))}")
+        print(f"wrote {merge_checkpoint(**vars(args))} from {args.local_dir}")
     except MergeError as e:
         parser.exit(2, f"merge.py: error: {e}\n")
 

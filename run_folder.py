@@ -95,7 +95,7 @@ class Logger:
             kept = next((i for i, row in enumerate(rows) if not row or int(row.group(1)) > last), len(lines))
             if kept < len(lines):
                 os.truncate(f.name, sum(map(len, lines[:kept])))  # appends continue there (the file is O_APPEND)
-                print(f"{f.name}: dropped {len(lines) - kept} lines of later steps (they run again)", flush=True)
+                print(f"{f.name}: dropped {len(lines) - kept} lines of the steps that run again", flush=True)
 
     def log_generations(self, rows, step):
         for row in rows:

@@ -666,7 +666,7 @@ def test_rewind_cuts_generations_log_back_too(tmp_path, capsys):
     logger.rewind(2)
     logger.close()
     assert [json.loads(line)["response"] for line in open(tmp_path / "generations.log")] == ["r1", "r2"]
-    assert "generations.log: dropped 2 lines of later steps" in capsys.readouterr().out
+    assert "generations.log: dropped 2 lines of the steps that run again" in capsys.readouterr().out
     logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.rewind(2, generations=1)  # a resume at step 2 that validates first: step 2's rows are logged again
     logger.close()

@@ -525,7 +525,7 @@ def test_a_log_resumed_twice_from_one_checkpoint_stays_whole(tmp_path, capsys):
     rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
     assert rows == [{"step": 0, "val/reward_score": 0.1}, {"step": 1, "reward/overall": 0.1},
                     {"step": 2, "reward/overall": 0.2, "val/reward_score": 0.5}]
-    assert "experiment_log.jsonl: dropped 2 lines of later steps" in capsys.readouterr().out
+    assert "experiment_log.jsonl: dropped 2 lines of the steps that run again" in capsys.readouterr().out
     logger = run_folder.Logger(str(tmp_path), cfg.trainer.logger, cfg)
     logger.rewind(-1)  # a fresh start: every row goes
     logger.close()
