@@ -45,7 +45,7 @@ class Logger:
             import mlflow
             import pandas
             mlflow.start_run(run_name=t.experiment_name)
-            mlflow.log_params(pandas.json_normalize(config).to_dict("records")[0])  # one parameter per dotted key
+            mlflow.log_params(pandas.json_normalize(config, sep="/").to_dict("records")[0])  # a/b/c, as EasyR1
             self.sinks.append((lambda m, step: mlflow.log_metrics(m, step=step), mlflow.end_run))
         if "swanlab" in names:
             import swanlab

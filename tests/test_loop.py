@@ -109,7 +109,7 @@ def test_mlflow_and_swanlab_loggers_log_every_step(tmp_path, monkeypatch):
     assert names == [("mlflow", "start_run"), ("mlflow", "log_params"), ("swanlab", "init"),
                      ("mlflow", "log_metrics"), ("swanlab", "log"), ("mlflow", "end_run"), ("swanlab", "finish")]
     assert calls[0][3] == {"run_name": "exp"}
-    assert calls[1][2][0]["worker.rollout.n"] == 5  # the flat config, one parameter per key
+    assert calls[1][2][0]["worker/rollout/n"] == 5  # the flat config, one parameter per key, named as in EasyR1
     assert calls[2][3]["mode"] == "offline" and calls[2][3]["experiment_name"] == "exp"
     assert calls[3][2] == ({"reward/overall": 0.5},) and calls[3][3] == {"step": 3}
     assert calls[4][2] == ({"reward/overall": 0.5},) and calls[4][3] == {"step": 3}
