@@ -522,7 +522,7 @@ def test_max_shard_size_parsing():
 @pytest.mark.slow
 def test_cli(ckpts, tmp_path, capsys):
     merge.main(["--local_dir", ckpts["vl"], "--output", str(tmp_path / "cli"), "--dtype", "fp16"])
-    assert f"-> {tmp_path / 'cli'}" in capsys.readouterr().out
+    assert f"wrote {tmp_path / 'cli'} from " in capsys.readouterr().out
     assert json.load(open(tmp_path / "cli" / "config.json"))["dtype"] == "float16"
     from safetensors import safe_open
     with safe_open(str(tmp_path / "cli" / "model.safetensors"), "pt") as f:
