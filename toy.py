@@ -72,7 +72,7 @@ def ensure_toy(root=".toy", seed=0):
         return paths
     os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".toy-build-", dir=os.path.dirname(root) or ".")
-    os.chmod(tmp, 0o777 & ~_umask())  # a usual folder once in place (mkdtemp makes it 0700)
+    os.chmod(tmp, 0o755)  # a usual folder once in place (mkdtemp makes it 0700), as merge.py's output
     tokenizer = build_tokenizer()
     build_vl_model(os.path.join(tmp, "vl_model"), tokenizer, seed)
     build_text_model(os.path.join(tmp, "text_model"), tokenizer, seed)
@@ -100,12 +100,6 @@ def ensure_toy(root=".toy", seed=0):
 
 def _built(stamp, seed):
     return os.path.exists(stamp) and open(stamp).read().strip() == f"{TOY_VERSION} {seed}"
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def build_tokenizer(pad_to=None):
