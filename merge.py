@@ -80,6 +80,8 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
             for part in [config, *(v for v in config.values() if isinstance(v, dict) and "dtype" in v)]:
                 part["dtype"] = str(dtype).removeprefix("torch.")  # a VL model's text and vision configs too
             pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for path in pathlib.Path(work).iterdir():  # everyone's to read, as save_pretrained's (safetensors writes 0600)
+            path.chmod(0o755 if path.is_dir() else 0o644)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -92,6 +92,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         module.requires_grad_(False)
     elif model_cfg.freeze_vision_tower and is_vl:
         vision_tower(hf).requires_grad_(False)
+    elif model_cfg.freeze_vision_tower:
+        logger.warning("worker.actor.model.freeze_vision_tower: %s has no vision tower; nothing is frozen",
+                       model_cfg.model_path)
     if role == "actor" and model_cfg.enable_gradient_checkpointing:
         enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.2x
         if enable is not None:

@@ -318,7 +318,8 @@ def test_config_dtype_is_the_dtype_written(toy, tmp_path, stored, config_dtype):
 
 def test_a_write_protected_checkpoint_merges_into_writable_files(toy, tmp_path):
     """The checkpoint's files and folders made read-only: the output's are the user's to write (copytree copied the
-    modes, so a non-root user's merge failed writing into its own read-only folder, leaving it behind)."""
+    modes, so a non-root user's merge failed writing into its own read-only folder, leaving it behind) and everyone's
+    to read, as save_pretrained's folders are under the usual umask (safetensors writes its files 0600)."""
     import stat
 
     text_checkpoint(toy, tmp_path / "actor", torch.float32, "float32")
@@ -327,6 +328,7 @@ def test_a_write_protected_checkpoint_merges_into_writable_files(toy, tmp_path):
             os.chmod(os.path.join(root, name), 0o555 if name in dirs else 0o444)
     out = merge.merge_checkpoint(str(tmp_path / "actor"), output=str(tmp_path / "merged"))
     assert all(os.stat(os.path.join(out, name)).st_mode & stat.S_IWUSR for name in [".", *os.listdir(out)])
+    assert all(os.stat(os.path.join(out, name)).st_mode & stat.S_IROTH for name in [".", *os.listdir(out)])
 
 
 # ---------------------------------------------------------------------------------------------- LoRA

@@ -321,6 +321,20 @@ def test_override_config_sets_each_key_where_transformers_keeps_it(toy):
             modeling.apply_overrides(AutoConfig.from_pretrained(toy[path]), overrides)
 
 
+def test_freeze_vision_tower_on_a_text_model_says_it_froze_nothing(toy, caplog):
+    """A text model has no tower to freeze: the setting is said to do nothing (EasyR1 prints "No vision tower
+    found."), and every parameter still trains."""
+    import logging
+
+    from test_actor_update import make_cfg
+
+    with caplog.at_level(logging.WARNING, logger="modeling"):
+        hf, _, _ = modeling.build_model(make_cfg(toy["text_model"], **{"model.freeze_vision_tower": True}), "actor",
+                                        "cpu", torch.float32, torch.float32, lora_rank=0)
+    assert any("no vision tower" in r.getMessage() for r in caplog.records), caplog.text
+    assert all(p.requires_grad for p in hf.parameters())
+
+
 def test_override_config_reaches_the_actor_the_rollout_and_the_saved_config(toy, tmp_path, monkeypatch):
     """rms_norm_eps=0.25 in model.override_config of the VL toy: every RMSNorm of the language model runs with eps
     0.25 in the actor's model and in the transformers rollout engine's own copy (both had the toy's 1e-5: the
