@@ -124,10 +124,10 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
         loss = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
 
     if rollout_logp is not None:
-        rollout_logp = rollout_logp.float()
-        metrics["rollout_logp_abs_diff"] = (old_logp - rollout_logp).abs().detach()
+        gap = old_logp - rollout_logp.float()  # [tokens]
+        metrics["rollout_logp_abs_diff"] = gap.abs().detach()
         if tis_cap is not None:
-            raw_weight = torch.exp(torch.clamp(old_logp - rollout_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+            raw_weight = torch.exp(torch.clamp(gap, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
             weight = torch.clamp(raw_weight, max=tis_cap)  # [tokens]
             loss = loss * weight
             metrics.update(tis_weight=weight, tis_capfrac=(raw_weight > tis_cap).float())
@@ -238,6 +238,10 @@ class Actor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.sharded = dist.is_available() and dist.is_initialized()
         self.world, self.rank = (dist.get_world_size(), dist.get_rank()) if self.sharded else (1, 0)
+        self.mini_batch_size, rest = divmod(cfg.global_batch_size * n_per_prompt, self.world)  # samples per rank
+        if rest:
+            raise ValueError(f"Actor: global_batch_size x n = {cfg.global_batch_size * n_per_prompt} samples per "
+                             f"mini-batch cannot be split over {self.world} ranks")
         self.compute_dtype = DTYPES[cfg.fsdp.mp_param_dtype]
         master = DTYPES[cfg.fsdp.torch_dtype or "fp32"] if role == "actor" else self.compute_dtype
         self.lora_rank = cfg.model.lora.rank if role == "actor" else 0
@@ -292,20 +296,18 @@ class Actor:
         adapters off: the reference at no extra memory. The policy uses the update's mini- and micro-batches, so old
         and new log-probs come from identical kernels; the reference packs the list under the experience budget (LoRA's,
         the policy with its adapters off, as the policy)."""
-        kind = "update" if self.role == "actor" else "experience"
-        chunk = self._mini_batch_size() if self.role == "actor" else max(1, len(samples))
-        done = []  # (indices, response lengths, logp [N], entropy [N] or None) per micro-batch, still on the device
-        adapters = self.module.disable_adapter() if disable_adapter and self.lora_rank else contextlib.nullcontext()
+        kind, chunk = ("update", self.mini_batch_size) if self.role == "actor" else ("experience", max(1, len(samples)))
+        done = []  # (indices, response lengths, logp [N], entropy [N] or [0]) per micro-batch, still on the device
         modalities = self._modalities(samples)
         self.onload()
-        with adapters:
+        with self.module.disable_adapter() if disable_adapter and self.lora_rank else contextlib.nullcontext():
             for mini in self._chunks(len(samples), chunk):
                 for part in self._plan([samples[i] for i in mini], kind):
                     idx = [mini[j] for j in part]
                     batch = self._pack(samples, idx)
                     logp, ent = self._forward(batch, with_entropy, modalities)
                     if idx:  # not a dummy micro-batch
-                        done.append((idx, batch["resp_lens"], logp, ent if with_entropy else None))
+                        done.append((idx, batch["resp_lens"], logp, ent))
         self.offload()
         logps, entropies = [None] * len(samples), [None] * len(samples)
         for idx, lengths, logp, ent in done:  # to the host after the pass: no wait for the GPU between micro-batches
@@ -328,12 +330,11 @@ class Actor:
         start, flops = time.perf_counter(), 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        mini_size = self._mini_batch_size()
-        if not samples or len(samples) % mini_size:  # none: no optimizer step, so no step of the LR schedule either
+        if not samples or len(samples) % self.mini_batch_size:  # none: no optimizer step, nor an LR schedule step
             raise ValueError(f"Actor.update: {len(samples)} samples on rank {self.rank} is not a positive multiple of "
-                             f"the mini-batch size {mini_size} (worker.actor.global_batch_size={c.global_batch_size} x "
-                             f"n={self.n_per_prompt} / {self.world} ranks)")
-        minis = self._chunks(len(samples), mini_size)
+                             f"the mini-batch size {self.mini_batch_size} (worker.actor.global_batch_size="
+                             f"{c.global_batch_size} x n={self.n_per_prompt} / {self.world} ranks)")
+        minis = self._chunks(len(samples), self.mini_batch_size)
         self.onload(optimizer=True)
         modalities = self._modalities(samples)
         use_rollout = c.tis_cap is not None or bool(self._all_ranks(
@@ -375,11 +376,10 @@ class Actor:
                 grad_norms.append(self._optimizer_step())
 
         self.offload()
-        steps = len(minis) * c.ppo_epochs
         names = sorted(sums)
         totals = self._all_ranks([float(sums[n]) for n in names] + [tokens])
         all_tokens = max(totals[-1], 1.0)
-        out = {f"actor/{n.split('@')[0]}": v / (all_tokens if n.endswith("@tokens") else steps)
+        out = {f"actor/{n.split('@')[0]}": v / (all_tokens if n.endswith("@tokens") else len(grad_norms))
                for n, v in zip(names, totals)}
         finite = [g for g in grad_norms if math.isfinite(g)]
         out.update({"actor/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
@@ -406,7 +406,7 @@ class Actor:
                 if ".base_layer." in name:
                     owner, leaf = name.split(".base_layer.")
                     name = f"{owner}.{leaf}"
-                    if leaf == "weight" and self.lora_rank:
+                    if leaf == "weight":  # a LoRA-adapted weight
                         m = self.hf.get_submodule(owner)
                         a = full_tensor(m.lora_A["default"].weight, self.device).float()  # [r, in]
                         b = full_tensor(m.lora_B["default"].weight, self.device).float()  # [out, r]
@@ -456,18 +456,17 @@ class Actor:
         state = get_model_state_dict(self.module)
         dcp.load(state, checkpoint_id=os.path.join(path, "model"))
         set_model_state_dict(self.module, state)
-        if self.optimizer is not None:
+        if self.optimizer is not None:  # and the schedule's position; lr, betas and weight decay are this run's
             optim_state = get_optimizer_state_dict(self.module, self.optimizer)
             dcp.load(optim_state, checkpoint_id=os.path.join(path, "optim"))
             set_optimizer_state_dict(self.module, self.optimizer, optim_state)
-        self.optimizer_steps = extra["optimizer_steps"]
-        if self.lr_scheduler is not None:  # the schedule's position; lr, betas and weight decay are this run's
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])  # (the optimizer's state brought the saved ones)
             o, t = self.cfg.optim, self.lr_scheduler.last_epoch
             for group, decay, factor in zip(self.optimizer.param_groups, (o.weight_decay, 0.0),
                                             self.lr_scheduler.lr_lambdas):
                 group.update(lr=o.lr * factor(t), initial_lr=o.lr, betas=tuple(o.betas), weight_decay=decay)
             self.lr_scheduler.base_lrs = [o.lr] * len(self.optimizer.param_groups)
+        self.optimizer_steps = extra["optimizer_steps"]
         random.setstate(extra["rng"]["python"])
         torch.set_rng_state(extra["rng"]["cpu"])
         if extra["rng"]["cuda"] is not None and torch.cuda.is_available():
@@ -479,15 +478,13 @@ class Actor:
         """One packed micro-batch -> (logp [N], entropy [N] or [0]) of its response tokens. resp_cu_seqlens, which
         stays on the host for the loss's checks, is left out: FSDP2's root would copy it to the device, blocking."""
         inputs = {k: v for k, v in batch.items() if k != "resp_cu_seqlens"}
-        amp = torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast else contextlib.nullcontext()
-        with amp:
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast):
             return self.hf.packed_forward(inputs, self.temperature, with_entropy, modalities, self.dummy_vision)
 
     def _optimizer_step(self):
         """Clip the global gradient norm to max_grad_norm (clip_grad_norm_ reduces FSDP2's DTensor gradients over the
         ranks) and step, unless the norm is not finite (skipped: actor/skipped_steps); -> the norm before clipping."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm or math.inf)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
         if math.isfinite(norm):
             self.optimizer.step()
@@ -538,7 +535,7 @@ class Actor:
                            "a micro-batch of its own", max(lengths), budget)
         units = shared_image_units(samples, lengths, budget)
         unit_lengths = [sum(lengths[i] for i in unit) for unit in units]
-        k = max(1, int(self._all_ranks([micro_batches_needed(unit_lengths, budget)], "max")[0]))
+        k = int(self._all_ranks([micro_batches_needed(unit_lengths, budget)], "max")[0])  # >= 1
         return [sorted(i for u in part for i in units[u]) for part in partition_balanced(unit_lengths, k)]
 
     def _pack(self, samples, idx):
@@ -547,8 +544,7 @@ class Actor:
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
                              image_token_id=self.image_token_id, video_token_id=self.video_token_id,
                              merge=self.dummy_vision[2] if self.is_vl else None)
-        # The grids stay on the host as lists, where modeling.vision_indices reads them without waiting for the
-        # GPU (a host tensor would be moved to the device, with a blocking copy, by FSDP2's root before the forward).
+        # The grids stay host lists, read by modeling.vision_indices without a host sync (see packed_forward).
         batch["mm"] = {k: v.tolist() if k.endswith("grid_thw") else to_device(v, self.device)
                        for k, v in batch["mm"].items()}
         return {k: to_device(v, self.device) if torch.is_tensor(v) and k != "resp_cu_seqlens" else v
@@ -580,13 +576,6 @@ class Actor:
             return ()
         has_video = any("pixel_values_videos" in (s.get("multi_modal_inputs") or {}) for s in samples)
         return ("image", "video") if self._all_ranks([has_video], "max")[0] else ("image",)
-
-    def _mini_batch_size(self):
-        total = self.cfg.global_batch_size * self.n_per_prompt
-        if total % self.world:
-            raise ValueError(f"Actor: global_batch_size x n = {total} samples per mini-batch cannot be split over "
-                             f"{self.world} ranks")
-        return total // self.world
 
     def _chunks(self, n, size):
         """[0..n) cut into consecutive chunks of `size`; every rank gets as many chunks (padded with [])."""

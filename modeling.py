@@ -69,9 +69,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     tied = (head := hf.get_output_embeddings()) is not None and head.weight is hf.get_input_embeddings().weight
     if head is not None and not tied and getattr(config, "tie_word_embeddings", False):  # transformers' own test
         raise ValueError(f"{model_cfg.model_path}: config.json ties the LM head to the input embeddings, but the "
-                         f"weights hold two different tensors (transformers keeps them apart; vLLM would sample with "
-                         f"the embeddings as the head): set worker.actor.model.override_config='{{tie_word_embeddings: "
-                         f"false}}'")
+                         "weights hold two tensors (vLLM would sample with the embeddings as the head): set "
+                         "worker.actor.model.override_config='{tie_word_embeddings: false}'")
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -96,11 +95,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         logger.warning("worker.actor.model.freeze_vision_tower: %s has no vision tower; nothing is frozen",
                        model_cfg.model_path)
     if role == "actor" and model_cfg.enable_gradient_checkpointing:
-        enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5.2x
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.2x renamed it activation_checkpointing_enable (the old name warns); same first argument
+        enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     hf.train(role == "actor")  # dropout is 0 in the supported models; train() enables checkpointing
     if compile_layers:  # each decoder layer / vision block fused by torch.compile (dynamic shapes); attention eager
         # ~10 graphs (layer class x FSDP subclass x input rank) of one checkpointing wrapper: torch's limit is 8
@@ -110,11 +107,30 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     hf.packed_forward = types.MethodType(packed_forward, hf)
     if not sharded:
         return hf.to(device), module, config
-    shard_model(hf, device, cfg.fsdp, compute_dtype)
-    if rank0_init:
+
+    # FSDP2: fully_shard every decoder layer and vision block, then the root; fsdp_size in (0, world): hybrid
+    # sharding (replicate x shard). Only the root casts its floating inputs (pixels): a layer's would be cast on the
+    # forward but not on the checkpoint recompute (FSDP2 skips its pre-forward in backward), so the fp32 vision
+    # rotary cos / sin would differ.
+    size, world = cfg.fsdp.fsdp_size, dist.get_world_size()
+    shape, names = ((world // size, size), ("ddp", "fsdp")) if 0 < size < world else ((world,), ("fsdp",))
+    offload = CPUOffloadPolicy() if cfg.fsdp.enable_cpu_offload and device.type == "cuda" else OffloadPolicy()
+    kwargs = dict(mesh=init_device_mesh(device.type, shape, mesh_dim_names=names), offload_policy=offload,
+                  reshard_after_forward=cfg.fsdp.enable_full_shard)
+    precision = [MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[cfg.fsdp.mp_reduce_dtype],
+                                      cast_forward_inputs=cast) for cast in (False, True)]
+    for m in layer_units(hf):
+        fully_shard(m, mp_policy=precision[0], **kwargs)
+    fully_shard(hf, mp_policy=precision[1], **kwargs)
+    if rank0_init:  # rank 0's weights to the meta-built ranks, then the buffers no state dict holds (rotary inv_freq)
         set_model_state_dict(module, full_state or {}, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
-        broadcast_buffers(hf, device)
+        comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        for m in hf.modules():
+            for name, buf in list(m.named_buffers(recurse=False, remove_duplicate=False)):
+                local = torch.empty(buf.shape, dtype=buf.dtype, device=comm) if buf.is_meta else buf.to(comm)
+                dist.broadcast(local, src=0)
+                m._buffers[name] = local.to(device)
     register_fsdp_forward_method(hf, "packed_forward")  # the root's parameters are gathered around it
     return hf, module, config
 
@@ -141,38 +157,10 @@ def apply_overrides(config, overrides, where="worker.actor.model.override_config
     return changes
 
 
-def shard_model(hf, device, fsdp_cfg, compute_dtype):
-    """fully_shard every decoder layer and vision block (the model's _no_split_modules), then the root.
-    fsdp_size in (0, world): hybrid sharding (replicate x shard)."""
-    size, world = fsdp_cfg.fsdp_size, dist.get_world_size()
-    shape, names = ((world // size, size), ("ddp", "fsdp")) if 0 < size < world else ((world,), ("fsdp",))
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    offload = fsdp_cfg.enable_cpu_offload and device.type == "cuda"
-    # Only the root casts its floating inputs (pixels): a layer's would be cast on the forward but not on the
-    # checkpoint recompute (FSDP2 skips its pre-forward in backward), so the fp32 vision rotary cos / sin would differ.
-    precision = [MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=DTYPES[fsdp_cfg.mp_reduce_dtype],
-                                      cast_forward_inputs=cast) for cast in (False, True)]
-    kwargs = dict(mesh=mesh, reshard_after_forward=fsdp_cfg.enable_full_shard,
-                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-    for m in layer_units(hf):
-        fully_shard(m, mp_policy=precision[0], **kwargs)
-    fully_shard(hf, mp_policy=precision[1], **kwargs)
-
-
 def layer_units(hf):
     """The decoder layers and vision blocks (the model's _no_split_modules): each compiled and sharded alone."""
     names = set(getattr(hf, "_no_split_modules", None) or [])
     return [m for m in hf.modules() if type(m).__name__ in names]
-
-
-def broadcast_buffers(hf, device):
-    """Buffers are not in a state dict when non-persistent (rotary inv_freq): send rank 0's to the meta-built ranks."""
-    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    for m in hf.modules():
-        for name, buf in list(m.named_buffers(recurse=False, remove_duplicate=False)):
-            local = torch.empty(buf.shape, dtype=buf.dtype, device=comm) if buf.is_meta else buf.to(comm)
-            dist.broadcast(local, src=0)
-            m._buffers[name] = local.to(device)
 
 
 def vision_tower(hf):
@@ -335,8 +323,7 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
         x, thw = (batch["mm"][pixels], batch["mm"][grid]) if real else dummy_vision[:2]
         thw = torch.as_tensor(thw)  # [n, 3] on the host
         out = getattr(body, method)(x, thw, return_dict=True, **vision_indices(body.visual, thw, device))
-        order = batch["mm_order"][modality]  # a shared image is encoded once, then repeated
-        encoded[modality] = _repeat_images(out, order, len(thw)) if real else _as_zero_rows(out)
+        encoded[modality] = _repeat_images(out, batch["mm_order"][modality], len(thw)) if real else _as_zero_rows(out)
     if encoded:
         kwargs["mm_encoder_outputs"] = encoded
     hidden = body(**kwargs).last_hidden_state[0]  # [T, H]
