@@ -272,7 +272,7 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
     """
     text = sample["response"]
     pair = R1V_THINK_END.search(text, len("<think>")) if text.startswith("<think>") else None
-    form = 1.0 if pair and text.endswith("</answer>") and pair.end() <= len(text) - len("</answer>") else 0.0
+    form = 1.0 if pair and text.endswith("</answer>") else 0.0  # <answer> ends before </answer> starts
     found = R1V_ANSWER.search(text)
     accuracy = 1.0 if is_equivalent(found.group(1) if found else text, sample["ground_truth"], timeout) else 0.0
     return _weighted(accuracy, form, format_weight)

@@ -425,9 +425,20 @@ def test_kl_inputs_that_would_pass_silently_are_errors():
 @pytest.mark.parametrize("args, update, match", [
     ((0.1, 0.0, 1e4), None, "target_kl=0.0 and horizon=10000.0 must be > 0"),
     ((0.1, 6.0, 100), (0.0, 1000), "n_steps=1000 must be below 5 x horizon = 500"),
+    ((0.1, 6.0, 100), (0.0, 500), "n_steps=500 must be below 5 x horizon = 500"),  # beta x (1 - 0.2 x 5) = 0
     ((0.1, 6.0, 1e4), (float("nan"), 256), "current_kl=nan must be finite")])
 def test_adaptive_kl_controller_refuses_what_would_zero_divide_flip_or_poison_beta(args, update, match):
     """Target 0 divided by zero; n_steps > 5 x horizon turned beta negative (the KL a bonus); a NaN KL made beta NaN
     for good. config.py checks the first two for the trainer; the controller itself, for a copy of this module."""
     with pytest.raises(ValueError, match=re.escape(match)):
         advantage.AdaptiveKLController(*args).update(*update)
+
+
+def test_grpo_std_is_two_pass_far_from_zero_and_scores_carry_no_graph():
+    """Scores 1e8 + [0, 1, 2, 3]: mean 1e8 + 1.5, unbiased std sqrt(5/3), so A = [-1.5, -0.5, 0.5, 1.5] / sqrt(5/3)
+    = +-1.161895, +-0.387298 (a one-pass sum x^2 - n mean^2 cancels to a wrong variance at that offset). Scores
+    that carry a gradient (a learned reward) give advantages that carry none."""
+    got = advantage.grpo(torch.tensor([1e8, 1e8 + 1, 1e8 + 2, 1e8 + 3], dtype=torch.float64), ["a"] * 4)
+    assert torch.allclose(got, torch.tensor([-1.161895, -0.387298, 0.387298, 1.161895]), atol=1e-5, rtol=0)
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.25], requires_grad=True)
+    assert not compute_advantages("grpo", scores, ["a", "a", "b", "b"]).requires_grad

@@ -1,5 +1,6 @@
 """The objective (policy losses, aggregation, KL) against formulas restated here, token by token in
-plain Python floats, or against numbers worked out by hand. Values and gradients."""
+plain Python floats, or against numbers worked out by hand. Values and gradients; then the actor's objective
+settings (KL kind, aggregation, clipping) reaching its update on the toy."""
 
 import math
 import os
@@ -10,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from actor import aggregate_loss, kl_penalty, policy_loss  # noqa: E402
+from test_actor_update import samples  # noqa: E402,F401  (the fixture: 4 samples of the toy VL model)
 
 LOW, HIGH, DUAL = 0.2, 0.3, 3.0
 RTOL, ATOL = 1e-5, 1e-6  # the objective computes in fp32; the references are float64
@@ -484,3 +486,72 @@ def test_clip_and_tis_fractions_count_strictly_beyond_the_bound():
                   tis_cap=1.0)
     assert m["tis_capfrac"] == [0.0, 1.0]  # exp(0) = 1 is at the cap; exp(0.5) = 1.65 is above it
     close(m["tis_weight"], [1.0, 1.0])
+
+
+# ----------------------------------------------------------------------------------------------
+# The actor's settings reach its update (the toy VL model, on policy: every ratio 1)
+# ----------------------------------------------------------------------------------------------
+
+def update_on_policy(toy, samples, cfg_overrides=None, plan=None, monkeypatch=None, **actor_kwargs):
+    """One Actor.update of fresh copies of the samples with old = the actor's own log-probs and ref = old - 0.3
+    -> (metrics, the gradients the first optimizer step applied, the samples)."""
+    import actor as actor_module
+    from test_actor_update import MAX_PROMPT, MAX_RESPONSE, Spy, make_cfg
+
+    spy = Spy()
+    actor = spy.watch(actor_module.Actor(make_cfg(toy["vl_model"], **(cfg_overrides or {})), role="actor",
+                                         temperature=1.0, device="cpu", max_prompt_length=MAX_PROMPT,
+                                         max_response_length=MAX_RESPONSE, n_per_prompt=2, training_steps=4,
+                                         **actor_kwargs))
+    if plan is not None:
+        real_plan = actor_module.Actor._plan
+        monkeypatch.setattr(actor_module.Actor, "_plan", lambda self, *a: plan(real_plan(self, *a)))
+    fresh = [dict(s) for s in samples]
+    for s, logp in zip(fresh, actor.compute_log_probs(fresh)):
+        s.update(old_logprobs=logp, ref_logprobs=logp - 0.3)
+    return actor.update(fresh), spy.grads[0], fresh
+
+
+def test_kl_penalty_and_seq_sum_norm_reach_the_update(toy, samples):
+    """kl_penalty="mse" with ref = old - 0.3: each token's KL is 0.5 * 0.3^2 = 0.045 (low_var_kl would give
+    e^-0.3 + 0.3 - 1 = 0.0408). loss_avg_mode=seq_sum_norm over the 4 samples divides token sums by 4 x
+    max_response_length (8): actor/pg_loss = -sum_i A_i |o_i| / 32, actor/kl_loss = 0.045 sum_i |o_i| / 32."""
+    metrics, _, fresh = update_on_policy(toy, samples, {"loss_avg_mode": "seq_sum_norm"}, use_kl_loss=True,
+                                         kl_coef=0.1, kl_penalty="mse")
+    lengths = [len(s["response_ids"]) for s in fresh]
+    assert math.isclose(metrics["actor/pg_loss"], -sum(s["advantage"] * n for s, n in zip(fresh, lengths)) / 32,
+                        rel_tol=1e-5)
+    assert math.isclose(metrics["actor/kl_loss"], 0.045 * sum(lengths) / 32, rel_tol=1e-4)
+
+
+def test_max_grad_norm_clips_the_applied_gradient_and_logs_the_norm_before(toy, samples):
+    """max_grad_norm 1e-3: the gradient the optimizer steps with has global norm 1e-3; actor/grad_norm is the
+    norm before clipping, as the unclipped run's."""
+    free, grads, _ = update_on_policy(toy, samples)
+    clipped, clipped_grads, _ = update_on_policy(toy, samples, {"max_grad_norm": 1e-3})
+    norm = lambda g: math.sqrt(sum(t.double().pow(2).sum().item() for t in g.values()))  # noqa: E731
+    assert math.isclose(norm(grads), free["actor/grad_norm"], rel_tol=1e-4) and norm(grads) > 1e-2
+    assert math.isclose(norm(clipped_grads), 1e-3, rel_tol=1e-3)
+    assert math.isclose(clipped["actor/grad_norm"], free["actor/grad_norm"], rel_tol=1e-5)
+
+
+def test_a_dummy_micro_batch_changes_no_metric(toy, samples, monkeypatch):
+    """An empty micro-batch (what a rank with fewer micro-batches than its peers runs, to keep the collectives in
+    step) added to every plan: its pad token enters neither the losses, the token-mean metrics nor actor/tokens."""
+    kl = dict(use_kl_loss=True, kl_coef=0.1)
+    plain, _, fresh = update_on_policy(toy, samples, **kl)
+    padded, _, _ = update_on_policy(toy, samples, plan=lambda parts: parts + [[]], monkeypatch=monkeypatch, **kl)
+    assert plain["actor/tokens"] == padded["actor/tokens"] == sum(len(s["response_ids"]) for s in fresh)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac_higher"):
+        assert math.isclose(plain[key], padded[key], rel_tol=1e-5, abs_tol=1e-9), (key, plain[key], padded[key])
+
+
+def test_one_log_prob_for_a_longer_response_is_an_error(toy, samples):
+    """Only the advantage may come once per response: one old log-prob for a response of several tokens is an
+    error naming the sample, not broadcast."""
+    from test_actor_update import make_actor, make_cfg
+
+    bad = [dict(s) for s in samples]
+    bad[1]["old_logprobs"] = torch.tensor([-1.0])
+    with pytest.raises(ValueError, match="sample 1: old_logprobs has 1 values for"):
+        make_actor(make_cfg(toy["vl_model"])).update(bad)

@@ -45,6 +45,7 @@ MATH_CASES = [
     ("<think>a</think>\\boxed{1 / 2}", "0.5", 1, 1),                                  # tidied to 1/2
     ("\\boxed{5}", "5", 0, 1),                                                        # no think tags
     ("<think>x</think> 5", "5", 0, 0),                                                # no box
+    ("5", "5", 0, 0),                                                                 # no box: no answer at all
     ("<think>x</think> \\boxed{3} and then \\boxed{4", "4", 1, 0),                    # last box never closes
     ("<think>no end tag \\boxed{5}", "5", 0, 1),
     ("", "5", 0, 0),                                                                  # empty response
@@ -106,15 +107,23 @@ def test_math_degenerate_long_response_is_fast():
     ("\\frac{1}{2}", "0.5", True), ("0.5", "1/2", True), ("\\dfrac{1}{2}", "\\frac12", True), ("1,000", "1000", True),
     ("4.0", "4", True), ("x^2+2x+1", "(x+1)^2", True), ("\\frac{1}{3}", "0.333", False), ("", "", False),
     ("abc", "abc", True), ("}{", "3", False), ("\\pi", "3.14159", False),
+    ("(-\\infty,2]", "a \\le 2", True),  # math-verify is asymmetric here: the ground truth comes first
 ])
 def test_is_equivalent(answer, truth, expected):
     assert reward.is_equivalent(answer, truth) is expected
 
 
 def test_pathological_expression_times_out_as_wrong():
-    """9^(9^9) has 370 million digits: without the timeout the comparison would run for a very long time."""
+    """9^(9^9) has 370 million digits: without the timeout the comparison would run for a very long time (then
+    faulthandler ends the test run after 120 s, with the stack, rather than let it hang)."""
+    import faulthandler
+
     start = time.perf_counter()
-    assert reward.is_equivalent("9^{9^{9}}", "1", timeout=1) is False
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        assert reward.is_equivalent("9^{9^{9}}", "1", timeout=1) is False
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     assert time.perf_counter() - start < 10.0
 
 
@@ -199,6 +208,7 @@ DAPO_KW = {"max_response_length": 100, "overlong_buffer_length": 20, "overlong_p
     ("Answer: 3\nmore text\nAnswer: 4", "4", 1), ("Answer: 4\nAnswer: 3", "4", -1), ("no marker 4", "4", -1),
     ("Answer: 4" + " " * 300, "4", -1),                          # outside the last 300 characters
     ("x" * 10_000 + "Answer: 4", "4", 1), ("", "4", -1), ("Answer: 5 degrees", "5", 1),
+    ("Answer: 1000", "1,000", 1),                                # the ground truth is normalised too
 ])
 def test_dapo_accuracy(response, truth, acc):
     got = reward.dapo_reward(sample(response, truth, response_length=10), **DAPO_KW)
@@ -235,7 +245,7 @@ def test_dapo_needs_its_kwargs_at_load_time():
 @pytest.mark.parametrize("response,truth,form,acc", [
     ("red", "red", 1, 1), ("Red.", "red", 1, 1), ("  blue green", "blue", 1, 1), ("blue", "red", 1, 0),
     ("7", "7", 1, 1), ("8, surely", "7", 1, 0), ("hello red", "red", 0, 0), ("", "red", 0, 0), ("7!", "7", 1, 1),
-    ("purple", "purple", 0, 1), ("red " * 2500, "red", 1, 1),
+    ("purple", "purple", 0, 1), ("red " * 2500, "red", 1, 1), ("", "", 0, 0),  # nothing is never right
 ])
 def test_toy_table(response, truth, form, acc):
     got = reward.toy_reward(sample(response, truth))
