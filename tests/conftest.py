@@ -23,16 +23,20 @@ def toy():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def no_process_group_left_by_vllm():
+def no_process_group_left_behind():
     """vLLM's in-process engine (distributed_executor_backend="external_launcher") starts a one-rank torch.distributed
-    group and leaves it: a later module's CPU Actor would take itself for sharded. End it after each module."""
+    group and leaves it, and so does a Worker made in the test process (tests/test_loop.py): a later module's CPU
+    Actor would take itself for sharded. End it after each module."""
     yield
     import torch.distributed as dist
 
-    if "vllm" in sys.modules and dist.is_available() and dist.is_initialized():
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    if dist.is_available() and dist.is_initialized():
+        if "vllm" in sys.modules:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        cleanup_dist_env_and_memory()
+            cleanup_dist_env_and_memory()
+        else:
+            dist.destroy_process_group()
 
 
 def pytest_configure(config):

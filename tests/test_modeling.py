@@ -330,7 +330,7 @@ def test_freeze_vision_tower_on_a_text_model_says_it_froze_nothing(toy, caplog):
 
     with caplog.at_level(logging.WARNING, logger="modeling"):
         hf, _, _ = modeling.build_model(make_cfg(toy["text_model"], **{"model.freeze_vision_tower": True}), "actor",
-                                        "cpu", torch.float32, torch.float32, lora_rank=0)
+                                        torch.device("cpu"), torch.float32, torch.float32, lora_rank=0)
     assert any("no vision tower" in r.getMessage() for r in caplog.records), caplog.text
     assert all(p.requires_grad for p in hf.parameters())
 
