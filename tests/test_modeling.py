@@ -363,3 +363,10 @@ def test_override_config_reaches_the_actor_the_rollout_and_the_saved_config(toy,
     assert calls["init"]["hf_overrides"] == {"text_config": {"rms_norm_eps": 0.25}}
     actor.save_hf_files(model_cfg, str(tmp_path))
     assert json.load(open(tmp_path / "config.json"))["text_config"]["rms_norm_eps"] == 0.25
+
+
+def test_peak_tflops_by_device_name_h200_before_h20(monkeypatch):
+    """First substring match wins: an H200 is 989 TFLOP/s, not the H20's 148 (perf/mfu_actor would read 6.7x)."""
+    for name, peak in (("NVIDIA H200", 989.0), ("NVIDIA H20", 148.0), ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, _n=name: _n)
+        assert modeling.peak_tflops(0) == peak, name

@@ -8,6 +8,7 @@ of token t is ~ 8 * lm_head[t, 0]: setting that column picks which tokens the mo
 """
 
 import importlib.util
+import math
 import os
 import random
 import re
@@ -349,6 +350,10 @@ def test_derive_seed_is_stable_and_separates_its_inputs():
         assert out.stdout.split() == here, (hash_seed, out.stdout, here)
     seeds = {rollout.derive_seed(1, step, rank) for step in range(50) for rank in range(8)}
     assert len(seeds) == 400 and all(0 <= s < 2 ** 62 for s in seeds)
+    import hashlib  # and the documented value, so that a run's streams stay those of earlier versions
+
+    assert rollout.derive_seed(1, 2, 3) == int.from_bytes(hashlib.blake2b(b"(1, 2, 3)", digest_size=8).digest(),
+                                                          "little") >> 2
 
 
 def test_bad_inputs_fail_with_clear_errors(toy, world):
@@ -571,3 +576,59 @@ def test_the_tokenizers_eos_ends_a_response_also_when_the_generation_config_list
     fresh(engine, world, prefer={IM_END: 5.0})
     out = engine.generate(world.prompts, n=1, temperature=1.0, max_tokens=4, seed=0)
     assert [(r["response_ids"], r["finish_reason"]) for r in out] == [([IM_END], "stop")] * 3
+
+
+def test_top_p_and_top_k_act_on_the_tempered_distribution_and_top_k_0_is_off():
+    """z = [1, 0] at T = 2: softmax(z / T) = [0.6225, 0.3775]; the mass before token 1 (0.6225) is below top_p 0.7,
+    so both tokens are kept: logp(0) = log 0.6225 = -0.47408, logp(1) = -0.97408 (on the untempered softmax,
+    [0.7311, 0.2689], token 1 would be cut). top_k 0 is off, as -1: z = [1, 0, 2] keeps all three, logp of the
+    drawn token 2 = 2 - log(e + 1 + e^2) = -0.40761."""
+    gens = [torch.Generator().manual_seed(i) for i in range(2000)]
+    token, logp = rollout._sample_next(torch.tensor([[1.0, 0.0]]).repeat(2000, 1), [], 2.0, 0.7, -1, gens)
+    assert set(token.tolist()) == {0, 1}
+    assert math.isclose(logp[token == 0][0].item(), -0.47408, abs_tol=1e-4)
+    assert math.isclose(logp[token == 1][0].item(), -0.97408, abs_tol=1e-4)
+    for k in (0, -1):
+        token, logp = rollout._sample_next(torch.tensor([[1.0, 0.0, 2.0]]), [], 1.0, 1.0, k,
+                                           [torch.Generator().manual_seed(0)])
+        assert token.tolist() == [2] and math.isclose(logp.item(), -0.40761, abs_tol=1e-4), k
+
+
+def test_decoding_stops_once_rows_that_ended_at_different_steps_have_all_ended():
+    """Greedy, EOS 9: row 0 says 9 at once, row 1 says 1, 1, 9. Decoding ends after step 2: a prefill and two
+    decode forwards (not max_tokens = 6), responses [9] and [1, 1, 9]."""
+    engine = rollout.HFRollout.__new__(rollout.HFRollout)
+    engine.device, engine.max_response_length, engine.batch_size = torch.device("cpu"), 6, 64
+    engine.ignore_eos, engine.position_rows, engine.new_cache = False, 1, lambda: None
+    engine.eos_ids, engine.banned_ids, engine.pad_id = [9], [], 0
+    engine.model = types.SimpleNamespace(to=lambda d: None)
+    calls = []
+
+    def forward(input_ids, mask, positions, cache, mm):  # [2, vocab 10] logits of the next token
+        calls.append(step := len(calls))
+        logits = torch.zeros(2, 10)
+        logits[0, 9 if step == 0 else 1] = 10.0
+        logits[1, 9 if step == 2 else 1] = 10.0
+        return logits
+
+    engine._forward = forward
+    out = engine.generate([{"uid": "a", "prompt_ids": [3]}, {"uid": "b", "prompt_ids": [4]}], n=1, temperature=0)
+    assert [r["response_ids"] for r in out] == [[9], [1, 1, 9]] and len(calls) == 3
+
+
+def test_tp_gather_takes_the_first_ranks_seed_and_this_ranks_offset(monkeypatch):
+    """Rank 1 of a TP group of 2; rank 0 brings 3 prompts and seed 11, rank 1 2 prompts and seed 22: the group
+    generates the 5 prompts with seed 11 (the same requests on both ranks of the SPMD engine), rank 1's share
+    starting at 3."""
+    tp = types.SimpleNamespace(world_size=2, rank_in_group=1, cpu_group=None)
+    monkeypatch.setattr(rollout, "_vllm_internals", lambda llm: {"tp_group": tp})
+    a, b = [{"uid": f"a{i}"} for i in range(3)], [{"uid": f"b{i}"} for i in range(2)]
+
+    def all_gather_object(out, obj, group=None):
+        assert obj == (b, 22)
+        out[:] = [(a, 11), (b, 22)]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    engine = rollout.VLLMRollout.__new__(rollout.VLLMRollout)
+    engine.llm = None
+    assert engine._gather_tp_group(b, 22) == (a + b, 3, 11)

@@ -57,11 +57,15 @@ def fake_vllm(monkeypatch):
 
 
 def test_vllm_sleeps_whole_after_a_weight_sync_without_generation(toy, monkeypatch):
-    """load_weights wakes only the weights; a sleep() right after (no wake_up, no generate) must still release
-    them, which vLLM's sleep does only for a wholly awake engine."""
+    """The engine's settings (processed log-probs, the context, dtype, override_config as hf_overrides); load_weights
+    wakes only the weights; a sleep() right after (no wake_up, no generate) must still release them, which vLLM's
+    sleep does only for a wholly awake engine."""
     calls = fake_vllm(monkeypatch)
-    engine = rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=64, max_response_length=8,
-                                  device="cuda")
+    engine = rollout.make_rollout(config(name="vllm", override_config={"rms_norm_eps": 0.5}), toy["vl_model"],
+                                  max_prompt_length=64, max_response_length=8, device="cuda")
+    init = calls["init"]  # the log-probs after temperature (the ratio's denominator), 64 + 8 tokens of context
+    assert (init["logprobs_mode"], init["max_model_len"], init["dtype"]) == ("processed_logprobs", 72, "float32")
+    assert init["hf_overrides"] == {"text_config": {"rms_norm_eps": 0.5}} and init["load_format"] == "dummy"
     assert calls["awake"] == set()  # asleep from the start
     engine.load_weights(iter([]))
     assert calls["awake"] == {"weights"}
