@@ -289,3 +289,64 @@ def test_a_broken_format_prompt_is_a_data_error_naming_the_file(toy, tmp_path):
     (tmp_path / "bad.jinja").write_text("{{ content ")
     with pytest.raises(data.DataError, match=r"data.format_prompt \(.*bad.jinja\) line 1: unexpected end of template"):
         builder(toy["text_model"], config(format_prompt=str(tmp_path / "bad.jinja")))
+
+
+# ---------------------------------------------------------------------------------------------- what mutants showed
+
+def test_qwen2_5_vl_video_times_follow_the_sampled_fps(toy):
+    """32 frames at 4 fps sampled at video_fps 1: 8 frames, 4 temporal patches of 2 frames = 2 s each. Qwen2.5-VL
+    places patch t at t x 2 s x tokens_per_second (4 in the toy's config) -> time rows 0, 8, 16, 24 (at 2 fps a
+    patch is 1 s, the default, which hid a dropped second_per_grid_ts); the text after the video continues past its
+    largest position (k + 24, the video's first token at k) at k + 25 on all three rows."""
+    b = builder(toy["vl_model"], config(min_pixels=3136, max_pixels=3136, max_prompt_length=8192, video_fps=1.0))
+    p = b.build({"problem": "<video>Which colour comes last?", "answer": "red",
+                 "videos": [clip(32, size=(56, 56), fps=4)]}, 0, "r0")
+    assert p["multi_modal_inputs"]["video_grid_thw"].tolist() == [[4, 4, 4]]
+    pad = b.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    k, n = p["prompt_ids"].index(pad), p["prompt_ids"].count(pad)
+    assert sorted({t - k for t in p["position_ids"][1, k:k + n].tolist()}) == [0, 8, 16, 24]
+    assert p["position_ids"][1:, k + n].tolist() == [k + 25] * 3
+
+
+def test_a_video_file_cut_after_its_header_is_an_error_and_one_without_a_frame_count_reads(tmp_path):
+    """An MP4 whose index comes first (faststart) cut to half: the header announces 16 frames, fewer decode -> an
+    error, not fewer frames under the header's indices. A Matroska file announces no frame count: its 8 frames
+    at 4 fps are counted and sampled at 2 fps, indices round(linspace(0, 7, 4)) = [0, 2, 5, 7]."""
+    import av
+
+    path = str(tmp_path / "fast.mp4")
+    with av.open(io.BytesIO(clip(16, fps=4))) as src, av.open(path, "w", format="mp4",
+                                                            options={"movflags": "faststart"}) as dst:
+        out = dst.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(src.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = out
+                dst.mux(packet)
+    whole = open(path, "rb").read()
+    with pytest.raises(ValueError, match="of the 16 frames its header announces decode"):
+        data.process_video(whole[:len(whole) // 2], 3136, 12544, 4.0)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as c:
+        s = c.add_stream("mpeg4", rate=4)
+        s.width = s.height = 56
+        s.pix_fmt = "yuv420p"
+        for i in range(8):
+            c.mux(s.encode(av.VideoFrame.from_image(Image.new("RGB", (56, 56), COLOR_LIST[i % 8]))))
+        c.mux(s.encode())
+    frames, meta = data.process_video(buf.getvalue(), 3136, 12544, 2.0)
+    assert frames.shape == (4, 56, 56, 3) and meta["total_num_frames"] == 8 and meta["frames_indices"] == [0, 2, 5, 7]
+
+
+def test_big_endian_16_bit_and_a_features_bytes_beside_its_path(toy, tmp_path):
+    """I;16B greys v -> v // 257 like I;16: 1000 -> 3, 63000 -> 245 (not white). An HF Image feature's dict holds
+    the bytes and the file's bare name: the bytes are read. A video path is looked up under data.image_dir."""
+    import numpy
+
+    grey = Image.frombytes("I;16B", (8, 8), (numpy.arange(64).reshape(8, 8) * 1000).astype(">u2").tobytes())
+    out = data.process_image(grey, 1, 10**6)
+    assert out.getpixel((1, 0)) == (3, 3, 3) and out.getpixel((7, 7)) == (245, 245, 245)
+    assert data.process_image({"bytes": png(56, 56), "path": "img_0001.png"}, 3136, 12544).size == (56, 56)
+    (tmp_path / "c.mp4").write_bytes(clip(8, fps=4))
+    prompt = builder(toy["vl_model"], config(image_dir=str(tmp_path))).build(
+        {"problem": "<video>Q?", "answer": "a", "videos": ["c.mp4"]}, 0, "r0")
+    assert prompt["videos"][0].shape == (8, 56, 56, 3)

@@ -99,3 +99,31 @@ def test_a_file_belongs_to_the_split_its_own_name_says_before_its_folders(tmp_pa
     for split, want in (("train", ROWS[:1] + ROWS[2:3]), ("test", ROWS[1:2] + ROWS[3:])):
         rows = data.load_rows(f"{tmp_path / 'fold'}@{split}", config())
         assert sorted(map(str, (rows[i] for i in range(len(rows))))) == sorted(map(str, want)), split
+
+
+def test_rows_over_several_files_name_each_files_own_row_and_count_items_of_non_null_cells():
+    """Row 3 of a source of 3 + 2 rows is b.parquet's row 0 (what errors name); a column of nulls holds no video,
+    one non-null cell makes images_per_prompt 1 (the rollout's limit per prompt)."""
+    rows = data.Rows("src", [("a.parquet", datasets.Dataset.from_dict({"x": [1, 2, 3]})),
+                             ("b.parquet", datasets.Dataset.from_dict({"x": [4, 5]}))])
+    assert [rows.where(i) for i in (2, 3, 4)] == ["a.parquet row 2", "b.parquet row 0", "b.parquet row 1"]
+    nulls = data.Rows("s", [("a", datasets.Dataset.from_dict({"videos": [None, None], "images": [None, "p"]}))])
+    assert (nulls.most_items("videos"), nulls.most_items("images")) == (0, 1)
+
+
+def test_settings_that_would_go_wrong_quietly_are_errors(toy, tmp_path):
+    """min_pixels above max_pixels (images would be scaled up past max_pixels); a file without the answer column;
+    a prompt over max_prompt_length given to PromptBuilder.build directly (the loader filters first); and
+    override_chat_template reaching the tokenizer load_processor returns as well as the processor."""
+    with pytest.raises(ValueError, match="min_pixels=12544 is larger than data.max_pixels=3136"):
+        builder(toy["vl_model"], config(min_pixels=12544, max_pixels=3136))
+    pd.DataFrame({"problem": ["Q?"], "solution": ["4"]}).to_parquet(tmp_path / "t.parquet")
+    with pytest.raises(data.DataError, match=r"no column \['answer'\]"):
+        data.load_rows(str(tmp_path / "t.parquet"), config())
+    with pytest.raises(data.DataError, match="more than max_prompt_length=8"):
+        builder(toy["vl_model"], config(max_prompt_length=8)).build({"problem": "What is two plus two?",
+                                                                    "answer": "4"}, 0, "r0")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    processor, tokenizer = data.load_processor(toy["vl_model"], config(override_chat_template=str(template)))
+    assert processor.chat_template == tokenizer.chat_template == template.read_text()

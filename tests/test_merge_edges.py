@@ -257,14 +257,16 @@ def test_an_interrupt_while_writing_leaves_no_partial(toy, tmp_path, monkeypatch
 
 
 def test_lora_plan_refuses_what_it_cannot_merge(tmp_path):
-    """A peft tensor other than lora_A/B (DoRA's magnitude), an A without its B, two adapters: each a MergeError;
-    fan_in_fan_out from the config reaches the plan."""
+    """A peft tensor other than lora_A/B (DoRA's magnitude), an A without its B, two adapters, a 4-d (conv) pair:
+    each a MergeError; fan_in_fan_out from the config reaches the plan."""
     prefix = "base_model.model.model.layers.0.mlp.up_proj"
     base = {f"{prefix}.base_layer.weight": torch.zeros(6, 5), f"{prefix}.lora_A.default.weight": torch.zeros(4, 5),
             f"{prefix}.lora_B.default.weight": torch.zeros(6, 4)}
     cases = (({f"{prefix}.lora_magnitude_vector.default.weight": torch.zeros(6)}, "cannot merge the peft tensor"),
              ({f"{prefix}.lora_B.default.weight": None}, r"has no 2-d .*lora_A.default.weight / .*lora_B"),
-             ({f"{prefix}.lora_A.other.weight": torch.zeros(4, 5)}, r"one adapter .*, found \['default', 'other'\]"))
+             ({f"{prefix}.lora_A.other.weight": torch.zeros(4, 5)}, r"one adapter .*, found \['default', 'other'\]"),
+             ({f"{prefix}.lora_A.default.weight": torch.zeros(4, 5, 1, 1),  # a conv's LoRA: 4-d A and B
+               f"{prefix}.lora_B.default.weight": torch.zeros(6, 4, 1, 1)}, r"has no 2-d .*lora_A"))
     for i, (change, error) in enumerate(cases):
         state = {k: v for k, v in {**base, **change}.items() if v is not None}
         dcp.save(state, checkpoint_id=str(tmp_path / str(i)), no_dist=True)
