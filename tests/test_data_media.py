@@ -349,4 +349,4 @@ def test_big_endian_16_bit_and_a_features_bytes_beside_its_path(toy, tmp_path):
     (tmp_path / "c.mp4").write_bytes(clip(8, fps=4))
     prompt = builder(toy["vl_model"], config(image_dir=str(tmp_path))).build(
         {"problem": "<video>Q?", "answer": "a", "videos": ["c.mp4"]}, 0, "r0")
-    assert prompt["videos"][0].shape == (8, 56, 56, 3)
+    assert prompt["videos"][0].shape == (4, 56, 56, 3)  # 8 frames at 4 fps sampled at 2 fps
