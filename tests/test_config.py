@@ -1,3 +1,4 @@
+import logging
 import os
 import re
 import subprocess
@@ -40,6 +41,9 @@ def test_defaults_match_easyr1_example_config():
     assert cfg.worker.rollout.n == 5 and cfg.worker.rollout.gpu_memory_utilization == 0.6
     assert cfg.worker.rollout.val_override_config == {"temperature": 0.6, "top_p": 0.95, "n": 1}
     assert cfg.trainer.save_limit == 3 and cfg.trainer.val_freq == 5
+    # EasyR1's dataclass defaults that its example config does not set (research notes, section 3).
+    assert cfg.worker.actor.clip_ratio_low == 0.2 and cfg.worker.actor.optim.betas == [0.9, 0.999]
+    assert cfg.worker.actor.optim.min_lr_ratio is None and cfg.worker.actor.optim.lr_scheduler_type == "constant"
 
 
 def test_yaml_and_overrides_with_type_coercion(tmp_path):
@@ -616,6 +620,8 @@ def test_a_file_with_a_list_or_a_value_for_a_section_names_the_file(tmp_path):
     ("worker.rolout.n=3", " did you mean worker.rollout.n?"),  # a typo in a section's name
     ("fsdp_siz=2", " did you mean worker.actor.fsdp.fsdp_size?"),  # by its last part: the actor's, the first key
     ("zzzz=1", ""), ("xq=1", ""), ("foo=1", ""),  # nothing is close: no suggestion (not data.format_prompt)
+    ("data.tra=x", " did you mean data.train_files?"),  # close only at ratio 0.64: the cutoff is not higher
+    ("kl=0.1", ""),  # at a lower cutoff 'kl' became worker.actor.optim.lr
 ])
 def test_unknown_key_hints_for_a_section_typo_a_bare_name_and_none_for_noise(override, hint):
     with pytest.raises(ConfigError, match=re.escape(f"(command line).{hint}") + "$"):
@@ -628,3 +634,25 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     monkeypatch.chdir(tmp_path)
     assert load_config("toy.yaml").trainer.experiment_name == "from_the_working_directory"
     assert load_config("toy").trainer.experiment_name != "from_the_working_directory"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("worker.rollout.top_p=1.5", "top_p=1.5 (in (0, 1])"),  # vLLM would refuse it at the first generation
+    ("worker.actor.clip_ratio_low=-0.1", "clip_ratio_low=-0.1"),  # 1 - (-0.1) would widen the trust region
+    ("data.seed=8796093022208", "data.seed=8796093022208 must be below 2**43"),  # 2**43 itself is out
+])
+def test_values_just_outside_their_range_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_top_k_one_warns_a_mini_batch_that_divides_does_not_and_a_list_after_a_space_is_one_list(caplog):
+    """top_k=1 samples from a truncated distribution (greedy) as any top_k does; mini_rollout_batch_size 256 of
+    512 wastes no prompt. `trainer.logger= [console,file]` (a space after =) is [console, file], not nested."""
+    with caplog.at_level(logging.WARNING, logger="config"):
+        load_config(None, ["worker.rollout.top_k=1"])
+        assert "top_k=1: responses are sampled from the truncated distribution" in caplog.text
+        caplog.clear()
+        load_config(None, ["data.mini_rollout_batch_size=256"])
+        assert "does not divide" not in caplog.text
+    assert load_config(None, ["trainer.logger= [console,file]"]).trainer.logger == ["console", "file"]

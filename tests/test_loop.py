@@ -427,19 +427,24 @@ def test_cosine_schedule_by_hand():
 
 
 def test_reinforce_plus_plus_gets_token_kl_and_token_returns():
-    """KL in the reward, k1 per token (OLD - REF), beta 0.1: token rewards r = score on the last token - 0.1 kl_t;
-    returns G_t = sum_{s >= t} r_s: response 1 (score 1, kl 0.5, -1): G = (1.05, 1.1); response 2: (0,);
-    response 3 (kl 1): (0.9,); response 4 (kl 0, 2): (0.8, 0.8). One advantage per token, whitened over the 6."""
+    """KL in the reward, k1 per token (OLD - REF), the adaptive controller resumed at beta 0.2 (kl_coef 0.1):
+    token rewards r = score on the last token - 0.2 kl_t; returns G_t = sum_{s >= t} r_s: response 1 (score 1,
+    kl 0.5, -1): G = (1.1, 1.2); response 2: (0,); response 3 (kl 1): (0.8,); response 4 (kl 0, 2): (0.6, 0.6).
+    One advantage per token, whitened over the 6. Then the controller moves for the next step: KL 0.4375 vs
+    target 0.1 -> error clipped to 0.2, beta 0.2 x (1 + 0.2 x 4 / 1) = 0.36."""
     run = step_run("algorithm.use_kl_loss=false", "algorithm.kl_penalty=kl", "algorithm.kl_coef=0.1",
+                   "algorithm.kl_type=adaptive", "algorithm.kl_target=0.1", "algorithm.kl_horizon=1",
                    "algorithm.adv_estimator=reinforce_plus_plus")
+    run.kl_ctrl.value = 0.2
     m = run.train_step()
-    returns = torch.tensor([1.05, 1.1, 0.0, 0.9, 0.8, 0.8], dtype=torch.float64)
+    returns = torch.tensor([1.1, 1.2, 0.0, 0.8, 0.6, 0.6], dtype=torch.float64)
     whitened = ((returns - returns.mean()) / torch.sqrt(returns.var() + 1e-8)).tolist()
     got = torch.cat([torch.as_tensor(s["advantage"]) for s in run.workers.updated]).tolist()
     assert got == pytest.approx(whitened, abs=1e-6)
     assert m["critic/returns/mean"] == pytest.approx(returns.mean().item())
-    assert (m["critic/returns/max"], m["critic/returns/min"]) == pytest.approx((1.1, 0.0))
-    assert m["critic/rewards/mean"] == pytest.approx(2.75 / 4) and m["critic/score/mean"] == 0.75
+    assert (m["critic/returns/max"], m["critic/returns/min"]) == pytest.approx((1.2, 0.0))
+    assert m["critic/rewards/mean"] == pytest.approx(2.5 / 4) and m["critic/score/mean"] == 0.75
+    assert m["actor/kl_coef"] == pytest.approx(0.2) and run.kl_ctrl.value == pytest.approx(0.36)
 
 
 # --- online filtering in make_batch --------------------------------------------------------------

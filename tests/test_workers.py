@@ -1,5 +1,6 @@
 """workers.WorkerGroup without Ray: prompts split over ranks, samples sharded per mini-batch (balanced by tokens,
-a prompt's responses kept together), results joined back in order, update metrics averaged over ranks."""
+a prompt's responses kept together), results joined back in order, update metrics averaged over ranks; and what
+a Worker's setup hands its Actor."""
 
 import functools
 import types
@@ -7,6 +8,7 @@ import types
 import pytest
 
 import workers
+from config import ConfigError, load_config
 
 
 def fake_group(world, mini_batch, **methods):
@@ -47,6 +49,9 @@ def test_shard_balances_each_mini_batch_by_prompt_and_response_tokens():
     assert [[s["id"] for s in part] for part in lists] == indices
     uneven = [{"uid": u, "prompt_ids": [0], "response_ids": [0]} for u in "aaab"]  # groups of 3 and 1: by sample
     assert [len(i) for i in group.shard(uneven)[1]] == [2, 2]
+    # Every rank gets as many samples (as many micro-batches): 10, 1, 1, 1 tokens -> 10 + 1 | 1 + 1, not 10 | 1 + 1 + 1.
+    lopsided = [{"uid": u, "prompt_ids": [0] * (k - 1), "response_ids": [0]} for u, k in zip("abcd", (10, 1, 1, 1))]
+    assert group.shard(lopsided)[1] == [[0, 3], [1, 2]]
 
 
 def test_log_probs_come_back_in_sample_order_and_update_metrics_are_the_ranks_mean():
@@ -63,14 +68,20 @@ def test_log_probs_come_back_in_sample_order_and_update_metrics_are_the_ranks_me
 def test_more_workers_than_gpus_is_a_config_error_not_a_wait(monkeypatch):
     """Two GPU workers on a Ray that sees one GPU: an error naming the keys at once; the placement group would wait
     600 s, then time out with Ray's words."""
-    from config import ConfigError, load_config
-
     monkeypatch.setattr(workers.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(workers.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
-    cfg = load_config(None, ["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
-    with pytest.raises(ConfigError, match=r"trainer.nnodes x trainer.n_gpus_per_node = 2 workers need a GPU each; "
-                                          r"Ray sees 1 "):
+    monkeypatch.setattr(workers.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 3.0})
+    cfg = load_config(None, ["trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+                             "worker.actor.global_batch_size=4", "data.rollout_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"trainer.nnodes x trainer.n_gpus_per_node = 4 workers need a GPU each; "
+                                          r"Ray sees 3 "):
         workers.WorkerGroup(cfg, training_steps=1)
+    # With the GPUs there, the group counts 4 workers and a mini-batch of global_batch_size 4 x n 5 = 20 responses.
+    monkeypatch.setattr(workers.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 4.0})
+    monkeypatch.setattr(workers.ray.util, "placement_group", lambda *a, **kw: 1 / 0)  # stops before Ray is used
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    with pytest.raises(ZeroDivisionError):
+        group.__init__(cfg, training_steps=1)
+    assert (group.world, group.mini_batch) == (4, 20)
 
 
 def test_the_projects_info_messages_are_shown_and_other_libraries_stay_quiet():
@@ -84,3 +95,37 @@ def test_the_projects_info_messages_are_shown_and_other_libraries_stay_quiet():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=workers.HERE, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines()[-2:] == ["actor: attention backend sdpa", "a warning"], done.stderr
+
+
+def test_each_rank_samples_from_its_own_stream():
+    """The round's seed s becomes derive_seed(s, rank) on each rank: ranks never replay each other's draws."""
+    seen = []
+    w = workers.Worker.__new__(workers.Worker)
+    w.memory, w.rollout = {}, types.SimpleNamespace(generate=lambda prompts, **kw: seen.append(kw["seed"]) or [])
+    for rank in (0, 1):
+        w.rank = rank
+        w.generate([], {"seed": 123, "n": 1})
+    assert seen == [workers.rollout.derive_seed(123, 0), workers.rollout.derive_seed(123, 1)] and seen[0] != seen[1]
+
+
+def setup_kwargs(monkeypatch, *overrides):
+    """Worker.setup with the Actor and the rollout engine replaced: -> {role: the Actor's keyword arguments}."""
+    seen = {}
+    monkeypatch.setattr(workers.actor, "Actor", lambda cfg, role, **kw: seen.setdefault(role, kw))
+    monkeypatch.setattr(workers.rollout, "make_rollout", lambda cfg, path, **kw: None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "0")
+    monkeypatch.setattr(workers.torch, "set_num_threads", lambda n: None)
+    cfg = load_config(None, ["worker.actor.fsdp.mp_param_dtype=fp32", *overrides])  # no mixed precision: no dist
+    workers.Worker().setup(cfg, 0, 1, ("127.0.0.1", 0), "cpu", 10)
+    return seen
+
+
+def test_the_actor_gets_the_rollout_temperature_and_the_kl_loss_settings(monkeypatch):
+    """Log-probs divide the logits by the sampling temperature (0.7); the KL loss weighs by kl_coef 0.05. With
+    algorithm.disable_kl: no KL loss and no reference model."""
+    kw = setup_kwargs(monkeypatch, "worker.rollout.temperature=0.7", "algorithm.kl_coef=0.05")
+    assert (kw["actor"]["temperature"], kw["actor"]["kl_coef"], kw["actor"]["use_kl_loss"]) == (0.7, 0.05, True)
+    assert "ref" in kw
+    kw = setup_kwargs(monkeypatch, "algorithm.disable_kl=true")
+    assert kw["actor"]["use_kl_loss"] is False and "ref" not in kw

@@ -1,0 +1,118 @@
+"""Fast tests of what one training step passes between its stages (trainer.Run's make_batch, score, greedy_rewards,
+train_step and fit) with fake workers, as tests/test_loop.py: the uids, seeds and scores of filtered rounds, the
+settings each call gets, the passes a setting skips. Every expected number is worked out by hand in the test."""
+
+import types
+
+import pytest
+import torch
+
+import advantage
+import trainer
+from config import load_config
+from test_loop import FakeLoader, StepWorkers, bare_run, scripted_fit, step_run, two_round_run
+
+
+def test_filtered_rounds_keep_distinct_uids_aligned_scores_and_new_seeds():
+    """Filtering keeps x (0, 1) from round 1 and z (1, 0) from round 2 (y and w, mean 1, are dropped). GRPO groups
+    by uid, so x and z (index 0 of their rounds) need distinct uids, else they are one group of 4; the scores follow
+    the responses: 0, 1 (x) then 1, 0 (z); round 2 samples with another seed than round 1."""
+    table = {"x": (0.0, 1.0), "y": (1.0, 1.0), "z": (1.0, 0.0), "w": (1.0, 1.0)}
+    run = two_round_run("data.rollout_batch_size=2", "worker.actor.global_batch_size=2",
+                        "algorithm.online_filtering=true", score=lambda p, j: {"overall": table[p][j]})
+    del run.sampling  # the real one: a seed per round
+    seeds, generate = [], run.workers.generate
+    run.workers.generate = lambda prompts, sampling: seeds.append(sampling["seed"]) or generate(prompts, sampling)
+    prompts, responses, scores, _ = run.make_batch({})
+    assert [p["name"] for p in prompts] == ["x", "z"] and prompts[0]["uid"] != prompts[1]["uid"]
+    assert [r["uid"] for r in responses] == [prompts[0]["uid"]] * 2 + [prompts[1]["uid"]] * 2
+    assert [s["overall"] for s in scores] == [0.0, 1.0, 1.0, 0.0]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+
+
+def test_online_filtering_drops_a_group_whose_mean_is_above_filter_high():
+    """filter (0.1, 0.7): x (0, 1) mean 0.5 kept; y (0.5, 1) mean 0.75 > 0.7 dropped (it has spread: only filter_high
+    drops it); z (1, 0) kept."""
+    table = {"x": (0.0, 1.0), "y": (0.5, 1.0), "z": (1.0, 0.0), "w": (1.0, 1.0)}
+    run = two_round_run("data.rollout_batch_size=2", "worker.actor.global_batch_size=2",
+                        "algorithm.online_filtering=true", "algorithm.filter_low=0.1", "algorithm.filter_high=0.7",
+                        score=lambda p, j: {"overall": table[p][j]})
+    assert [p["name"] for p in run.make_batch({})[0]] == ["x", "z"]
+
+
+def test_max_try_make_batch_zero_is_unlimited():
+    """trainer.max_try_make_batch <= 0 is no limit (EasyR1): 4 rounds of one prompt fill rollout_batch_size 4."""
+    run = bare_run("data.rollout_batch_size=4", "data.mini_rollout_batch_size=1", "worker.rollout.n=2",
+                   "worker.actor.global_batch_size=2", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf",
+                   "trainer.max_try_make_batch=0")
+    run.train_iter = iter([[{"name": "x"}]] * 4)
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
+        {"prompt_index": 0, "uid": prompts[0]["uid"], "response_ids": [1], "j": j} for j in range(2)])
+    run.sampling = lambda key, override=None: {"n": 2, "seed": 0}
+    run.score = lambda prompts, responses: [{"overall": float(r["j"])} for r in responses]
+    metrics = {}
+    assert len(run.make_batch(metrics)[0]) == 4 and metrics["filter/rounds"] == 4
+
+
+def test_remax_baseline_is_one_greedy_response_per_prompt_keyed_by_its_uid():
+    """Temperature 0 and n 1 whatever the rollout's (0.8, 5); prompt a's greedy reward 0.25, b's 0.5, c's 1."""
+    run = bare_run("algorithm.adv_estimator=remax", "worker.rollout.temperature=0.8")
+    asked, value = [], {"a": 0.25, "b": 0.5, "c": 1.0}
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: asked.append(sampling) or [
+        {"prompt_index": i, "response_ids": [1]} for i, _ in enumerate(prompts)])
+    run.score = lambda prompts, responses: [{"overall": value[prompts[r["prompt_index"]]["uid"]]} for r in responses]
+    assert run.greedy_rewards([{"uid": u} for u in "abc"]) == value
+    assert (asked[0]["temperature"], asked[0]["n"]) == (0.0, 1)
+
+
+def test_score_hands_each_response_its_own_prompts_ground_truth_and_skip_special_tokens():
+    """Responses of prompts 1 then 0: the reward function sees g1 then g0, decoded with skip_special_tokens false."""
+    run = bare_run("worker.reward.skip_special_tokens=false")
+    run.tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: f"{ids}|{skip_special_tokens}")
+    run.reward_fn = lambda rows: rows
+    prompts = [{"ground_truth": "g0", "prompt_text": "p0"}, {"ground_truth": "g1", "prompt_text": "p1"}]
+    rows = run.score(prompts, [{"prompt_index": 1, "response_ids": [5, 6]}, {"prompt_index": 0, "response_ids": [7]}])
+    assert [(r["ground_truth"], r["prompt"], r["response"], r["response_length"]) for r in rows] == [
+        ("g1", "p1", "[5, 6]|False", 2), ("g0", "p0", "[7]|False", 1)]
+
+
+def test_dr_grpo_advantages_are_not_divided_by_the_std_and_disable_kl_skips_the_reference_pass():
+    """norm_adv_by_std_in_grpo false: A = score - group mean: (1, 0) -> 0.5, -0.5; (1, 1) -> 0, 0. With
+    algorithm.disable_kl only the old log-probs are computed (the reference pass is a forward over the batch)."""
+    run = step_run("algorithm.disable_kl=true", "algorithm.norm_adv_by_std_in_grpo=false")
+    kinds, log_probs = [], run.workers.log_probs
+    run.workers.log_probs = lambda samples, kind: kinds.append(kind) or log_probs(samples, kind)
+    run.train_step()
+    assert [s["advantage"] for s in run.workers.updated] == pytest.approx([0.5, -0.5, 0.0, 0.0], abs=1e-9)
+    assert kinds == ["old"] and isinstance(run.workers, StepWorkers)
+
+
+def test_throughput_is_per_gpu_over_all_nodes():
+    """2 nodes x 1 GPU, one sample of 3 + 1 tokens in a 2 s step: 4 tokens / 2 s / 2 GPUs = 1 token/s a GPU."""
+    cfg = load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
+    responses = [{"prompt_index": 0, "response_ids": [5], "finish_reason": "stop"}]
+    samples = [{"prompt_ids": [7] * 3, "response_ids": [5], "rollout_logprobs": torch.tensor([-1.0]),
+                "old_logprobs": torch.tensor([-1.0])}]
+    out = trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 2.0})
+    assert out["perf/throughput"] == pytest.approx(1.0)
+
+
+def test_an_adaptive_kl_type_builds_the_adaptive_controller(tmp_path, monkeypatch):
+    """Run.__init__ builds AdaptiveKLController(kl_coef 0.05, target 0.2, horizon 5000) for kl_type adaptive."""
+    monkeypatch.setattr(trainer.data, "load_processor", lambda path, cfg, trust_remote_code=False: (None, None))
+    monkeypatch.setattr(trainer.data, "PromptLoader", FakeLoader)
+    monkeypatch.setattr(trainer.reward, "load_reward_function", lambda name, **kw: None)
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda cfg, training_steps: None)
+    run = trainer.Run(load_config(None, [f"trainer.save_checkpoint_path={tmp_path}", "trainer.logger=[file]",
+                                         "algorithm.kl_type=adaptive", "algorithm.use_kl_loss=false",
+                                         "algorithm.kl_coef=0.05", "algorithm.kl_target=0.2",
+                                         "algorithm.kl_horizon=5000"]))
+    assert isinstance(run.kl_ctrl, advantage.AdaptiveKLController)
+    assert (run.kl_ctrl.value, run.kl_ctrl.target, run.kl_ctrl.horizon) == (0.05, 0.2, 5000)
+    run.logger.close()
+
+
+def test_the_last_step_is_saved_whatever_save_freq():
+    """save_freq 2 over 3 steps: checkpoints at 2 and at the last step, 3 (EasyR1 saves the final weights)."""
+    run = bare_run("trainer.val_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=2", training_steps=3)
+    assert scripted_fit(run)[1] == [2, 3]
