@@ -376,12 +376,13 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
 
     `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
     image_dir). Made RGB first as a viewer shows it: transparency over white (as transformers and vLLM do; PIL's
-    convert("RGB") makes it black), 16-bit grey v -> v // 257 (PIL's clips at 255: white). Scaling by
+    convert("RGB") makes it black), 16-bit grey v -> v // 257 (PIL's clips at 255: white; PIL opens a 16-bit PGM as
+    32-bit "I": read as 16-bit when its values pass 255). Scaling by
     s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so each bound holds
     (an upscale may pass max_pixels when the two are closer than a side's rounding); sizes in range are kept."""
     image = _open_image(image, image_dir)
-    if image.mode.startswith("I;16"):
-        image = Image.fromarray((numpy.asarray(image) // 257).astype(numpy.uint8))
+    if image.mode.startswith("I;16") or image.mode == "I" and image.getextrema()[1] > 255:
+        image = Image.fromarray((numpy.asarray(image).clip(0, 65535) // 257).astype(numpy.uint8))
     if image.has_transparency_data:  # RGBA, LA, PA, or a palette's / RGB's transparent colour
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     image = image.convert("RGB") if image.mode != "RGB" else image

@@ -6,7 +6,8 @@
 Reads, never modifies, what actor.Actor.save_checkpoint writes: <local_dir>/model/ (the torch.distributed.checkpoint
 of the model state dict, peft's names for LoRA, from any number of ranks) and <local_dir>/huggingface/ (config,
 tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <output> (default <local_dir>/merged, or
-<local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end:
+<local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end (<output>.lock, held
+meanwhile, stops a second merge into the same output):
   full model    safetensors shards split and named as save_pretrained does (Qwen2.5-VL model.language_model.layers.*
                 -> model.layers.*; a tied lm_head left out), the huggingface/ files (config.json's "dtype": as written)
   LoRA adapter  adapter_model.safetensors (peft's saved names), adapter_config.json (inference_mode true) and the
@@ -17,6 +18,7 @@ built on the meta device only.
 """
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -62,34 +64,44 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
     adapter_only = lora is not None and not merge_lora
     output = os.path.abspath(output or os.path.join(local_dir, "adapter" if adapter_only else "merged"))
     check_output(output, local_dir, force)
-
-    tensors = read_metadata(model_dir)
-    partial, work = output + ".partial", output + ".partial/new"  # work is renamed into place at the end, so a crash
-    if os.path.lexists(partial):  # leaves no half-written output, only <output>.partial: ours, removed here
-        print(f"merge.py: removing {partial}, left by an interrupted merge")
-        shutil.rmtree(partial)
-    skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
-    # tokenizer, processor, ...: contents, not modes (a write-protected checkpoint's would make the output read-only)
-    shutil.copytree(hf_dir, work, ignore=shutil.ignore_patterns(*skip), copy_function=shutil.copyfile)
-    os.chmod(work, 0o755)
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    lock = open(output + ".lock", "w")  # held until this merge ends (a crash too: the OS lets it go)
     try:
-        dtype = (write_adapter(model_dir, tensors, lora, work, dtype) if adapter_only else
-                 write_model(model_dir, tensors, hf_dir, lora, work, dtype, max_bytes))  # -> the dtype written
-        if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") keeps it
-            config = json.load(open(os.path.join(work, "config.json")))
-            for part in [config, *(v for v in config.values() if isinstance(v, dict) and "dtype" in v)]:
-                part["dtype"] = str(dtype).removeprefix("torch.")  # a VL model's text and vision configs too
-            pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        for path in pathlib.Path(work).iterdir():  # everyone's to read, as save_pretrained's (safetensors writes 0600)
-            path.chmod(0o755 if path.is_dir() else 0o644)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if force and os.path.isdir(output):  # kept aside until the new output is in place: a crash in between loses nothing
-        os.replace(output, os.path.join(partial, "old"))
-    os.replace(work, output)  # without --force, an output made meanwhile by someone else is an error, never deleted
-    shutil.rmtree(partial)
-    return output
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise MergeError(f"another merge.py is writing {output}; wait for it, or choose another --output") from None
+    try:
+        check_output(output, local_dir, force)  # again: the other merge may have just written it
+        tensors = read_metadata(model_dir)
+        partial, work = output + ".partial", output + ".partial/new"  # work is renamed into place at the end, so
+        if os.path.lexists(partial):  # a crash leaves no half-written output, only <output>.partial: removed here
+            print(f"merge.py: removing {partial}, left by an interrupted merge")
+            shutil.rmtree(partial)
+        skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
+        # tokenizer, processor, ...: contents, not modes (a write-protected checkpoint's made the output read-only)
+        shutil.copytree(hf_dir, work, ignore=shutil.ignore_patterns(*skip), copy_function=shutil.copyfile)
+        os.chmod(work, 0o755)
+        try:
+            dtype = (write_adapter(model_dir, tensors, lora, work, dtype) if adapter_only else
+                     write_model(model_dir, tensors, hf_dir, lora, work, dtype, max_bytes))  # -> the dtype written
+            if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") keeps it
+                config = json.load(open(os.path.join(work, "config.json")))
+                for part in [config, *(v for v in config.values() if isinstance(v, dict) and "dtype" in v)]:
+                    part["dtype"] = str(dtype).removeprefix("torch.")  # a VL model's text and vision configs too
+                pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            for path in pathlib.Path(work).iterdir():  # everyone's to read, as save_pretrained's (safetensors: 0600)
+                path.chmod(0o755 if path.is_dir() else 0o644)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        if force and os.path.isdir(output):  # aside until the new output is in place: a crash in between loses nothing
+            os.replace(output, os.path.join(partial, "old"))
+        os.replace(work, output)  # without --force, an output made meanwhile by someone else is an error, not deleted
+        shutil.rmtree(partial)
+        return output
+    finally:  # no lock file left behind, whatever happened
+        os.remove(lock.name)
+        lock.close()
 
 
 def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):

@@ -83,6 +83,10 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on the LM head "
                              f"or the embeddings, which this model ties (tie_word_embeddings): the actor would adapt "
                              f"one, the rollout's copy of the shared weight both. Leave lm_head and embed_tokens out")
+        if odd := [n for n, m in module.named_modules()
+                   if hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)]:
+            raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on {odd[0]}, "
+                             f"not a Linear layer: the weight sync and merge.py merge Linear adapters only")
         for p in module.parameters():
             p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
     full_state = dict(module.state_dict()) if rank0_init and dist.get_rank() == 0 else None
@@ -433,13 +437,14 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
 
 @torch.compiler.disable  # a kernel call with Python-side dispatch: a clean break in a compiled decoder layer
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
-    """q [T, Hq, D], k / v [T, Hkv, D], sequences at cu_seqlens [n + 1] -> [T, Hq, D]. Backends, logged once:
-    flash-attn varlen (CUDA, installed); torch varlen_attn (CUDA, bf16/fp16); else an exact block-diagonal
-    (causal) mask with scaled_dot_product_attention."""
-    if q.is_cuda and (fn := _kernel("flash")) is not None:
+    """q [T, Hq, D], k / v [T, Hkv, D], sequences at cu_seqlens [n + 1] -> [T, Hq, D]. Backends, logged once: on
+    CUDA in bf16/fp16 flash-attn varlen (installed) or torch varlen_attn; else (fp32: neither takes it) an exact
+    block-diagonal (causal) mask with scaled_dot_product_attention."""
+    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if half and (fn := _kernel("flash")) is not None:
         _log_backend("flash-attn flash_attn_varlen_func")
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and (fn := _kernel("torch")) is not None:
+    if half and (fn := _kernel("torch")) is not None:
         _log_backend("torch.nn.attention.varlen.varlen_attn")
         params = inspect.signature(fn).parameters
         kw = {"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0) if causal else (-1, -1)}

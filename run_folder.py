@@ -152,10 +152,11 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def find_checkpoint(root, load_path, find_last):
+def find_checkpoint(root, load_path, find_last, val_only=False):
     """The global_step_N folder a run resumes from, or None for a fresh start (no checkpoint; or not `find_last`: the
-    earlier run's files then go aside); no Ray. An explicit `load_path` must be complete (one later in root: a warning);
-    else the tracker's or, if incomplete or the tracker missing or unreadable, the newest complete one, said so."""
+    earlier run's files then go aside, unless `val_only` validates the base model: then nothing moves); no Ray. An
+    explicit `load_path` must be complete (one later in root: a warning); else the tracker's or, if incomplete or
+    the tracker missing or unreadable, the newest complete one, said so."""
     if load_path is not None:
         name = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
         if not name or not os.path.isdir(load_path):
@@ -173,7 +174,7 @@ def find_checkpoint(root, load_path, find_last):
     if not steps and not os.path.exists(tracker):
         return None
     if not find_last:  # a fresh start: the earlier run's files go aside (none cut, overwritten or rotated away)
-        return move_aside(root, "trainer.find_last_checkpoint=false")
+        return None if val_only else move_aside(root, "trainer.find_last_checkpoint=false")
     last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
     if problem:  # unreadable, or missing: folders copied here, or a first save stopped before the tracker
         print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)
@@ -190,7 +191,7 @@ def find_checkpoint(root, load_path, find_last):
             print(f"resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(problems)}", flush=True)
         return path
     if not os.path.exists(tracker):  # e.g. a first save that stopped, or save_model_only checkpoints copied here
-        return move_aside(root, f"none is complete ({'; '.join(problems)}): starting afresh")
+        return None if val_only else move_aside(root, f"none is complete ({'; '.join(problems)}): starting afresh")
     raise CheckpointError(f"{root} has a checkpoint tracker but no complete checkpoint to resume from: "
                           f"{'; '.join(problems) or 'no global_step_N folder'}. Restore the missing files, or start "
                           f"afresh with trainer.find_last_checkpoint=false (they are moved aside) or another "

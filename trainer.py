@@ -85,7 +85,7 @@ class Run:
                               f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
         self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
         os.makedirs(self.ckpt_root, exist_ok=True)  # after the data's checks: a bad row moves no earlier run aside
-        checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint)  # before Ray
+        checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint, t.val_only)
         self.logger = Logger(self.ckpt_root, t.logger, cfg)  # and starts no tracker run
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
@@ -282,8 +282,8 @@ class Run:
             self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
         self.logger.log(metrics, self.step)
         self.logger.flush()  # the step's rows on disk before its checkpoint counts
-        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "resumable": not t.save_model_only,
-                 **self.best}
+        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "kl_type": self.cfg.algorithm.kl_type,
+                 "resumable": not t.save_model_only, **self.best}
         write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
         write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
         remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
@@ -315,7 +315,8 @@ class Run:
             if changed := [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old | new)
                            if old.get(k) != new.get(k)]:
                 print(f"resuming {path} under other settings than {saved}'s: {'; '.join(changed)}", flush=True)
-        self.kl_ctrl.value = state["kl_coef"]
+        if self.cfg.algorithm.kl_type == state.get("kl_type", "adaptive") == "adaptive":  # a fixed beta: the config's
+            self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
         if not self.cfg.trainer.val_only:  # the later steps run again (val_only: nothing does, its row is amended)

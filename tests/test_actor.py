@@ -244,6 +244,20 @@ def test_attention_backend_isolates_sequences():
         torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_fp32_on_cuda_takes_the_exact_mask_not_a_half_precision_kernel(monkeypatch):
+    """flash-attn and torch's varlen_attn take bf16/fp16 only (flash-attn raised on an fp32 run's q, k, v): fp32
+    tensors that report CUDA take the block-diagonal mask; bf16 ones flash-attn when installed, else torch's."""
+    class Cuda(torch.Tensor):  # a CPU tensor that says it is on CUDA
+        is_cuda = property(lambda self: True)
+
+    called, kernels = [], {"flash": lambda q, *a, **kw: called.append("flash") or q, "torch": None}
+    monkeypatch.setattr(modeling, "_kernel", lambda name: kernels[name])
+    q, cu = torch.randn(6, 2, 8).as_subclass(Cuda), torch.tensor([0, 3, 6], dtype=torch.int32)
+    assert modeling.varlen_attention(q, q, q, cu, 3, True).shape == (6, 2, 8) and called == []
+    modeling.varlen_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), cu, 3, True)
+    assert called == ["flash"]
+
+
 # ----------------------------------------------------------------------------------------------
 # One process: packed equals per-sequence, micro-batch splits, LoRA
 # ----------------------------------------------------------------------------------------------

@@ -635,6 +635,11 @@ def test_lora_on_a_head_tied_to_the_embeddings_is_refused(toy, tmp_path):
     with pytest.raises(ValueError, match="target_modules='q_proj,lm_head' puts LoRA on the LM head .* ties"):
         make_actor(head)
     make_actor(make_cfg(str(tmp_path / "tied"), **{"model.lora.rank": 4, "model.lora.target_modules": "q_proj"}))
+    # An untied embedding: peft's LoRA Embedding keeps lora_embedding_A/B, which the weight sync never merged (it
+    # failed at the first sync with KeyError 'default'): refused at start-up, naming the layer.
+    embed = make_cfg(toy["text_model"], **{"model.lora.rank": 4, "model.lora.target_modules": "embed_tokens,q_proj"})
+    with pytest.raises(ValueError, match="puts LoRA on .*embed_tokens, not a Linear layer"):
+        make_actor(embed)
 
 
 def test_a_config_that_ties_a_head_stored_apart_is_refused(toy, tmp_path):

@@ -70,8 +70,9 @@ def no_hf_files(monkeypatch):
     monkeypatch.setattr(actor, "save_hf_files", lambda *args, **kwargs: None)  # no model path to copy from
 
 
-def make_cfg(**trainer_keys):
+def make_cfg(kl_type="adaptive", **trainer_keys):
     cfg = Config()
+    cfg.algorithm.kl_type = kl_type
     for key, value in {"logger": ["file"], "val_freq": -1, "val_before_train": False, "save_freq": 1,
                        "save_limit": -1, **trainer_keys}.items():
         setattr(cfg.trainer, key, value)
@@ -82,20 +83,22 @@ def fake_run(root, cfg, training_steps=4):
     """Run.__init__'s checkpoint and resume path, with fakes for the data, the workers and a step."""
     run = object.__new__(trainer.Run)
     run.cfg, run.ckpt_root, run.training_steps = cfg, str(root), training_steps
-    checkpoint = run_folder.find_checkpoint(run.ckpt_root, cfg.trainer.load_checkpoint_path, cfg.trainer.find_last_checkpoint)
+    t = cfg.trainer
+    checkpoint = run_folder.find_checkpoint(run.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint, t.val_only)
     run.logger = run_folder.Logger(run.ckpt_root, cfg.trainer.logger, cfg)
     run.train_loader, run.workers = FakeLoader(), FakeWorkers()
     if checkpoint:  # Run.__init__ loads the data's position before the workers start
         run._load_data_position(checkpoint)
-    run.kl_ctrl = advantage.FixedKLController(0.1)
+    run.kl_ctrl = (advantage.AdaptiveKLController(0.1, 0.1, 10000) if cfg.algorithm.kl_type == "adaptive" else
+                   advantage.FixedKLController(0.1))
     run.step, run.best = 0, {"best_global_step": None, "best_val_reward_score": None}
     run._resume(checkpoint)
     return run
 
 
-def save_steps(root, steps, **trainer_keys):
+def save_steps(root, steps, kl_type="adaptive", **trainer_keys):
     """Checkpoints of the given steps (each one optimizer step later), written by Run.save_checkpoint."""
-    run = fake_run(root, make_cfg(**trainer_keys))
+    run = fake_run(root, make_cfg(kl_type, **trainer_keys))
     for step in steps:  # steps 1, 2, ...: one update each
         run.step, run.train_loader.batch = step, step
         run.workers.update()

@@ -7,6 +7,7 @@ import random
 import re
 import shutil
 
+import numpy
 import pandas as pd
 import pytest
 import torch
@@ -149,7 +150,6 @@ def test_a_list_of_frames_is_one_video_as_qwen_vl_utils_reads_it(tmp_path, vl):
 def test_a_file_without_a_video_stream_says_so(tmp_path):
     """An audio-only file was an IndexError: tuple index out of range."""
     import av
-    import numpy
 
     with av.open(str(tmp_path / "a.mp4"), "w", format="mp4") as container:
         stream = container.add_stream("aac", rate=16000)
@@ -166,6 +166,13 @@ def test_16_bit_grey_is_divided_by_257_rounding_down():
     grey = Image.fromarray(torch.tensor([[256, 65280]] * 4, dtype=torch.uint16).numpy())
     out = data.process_image(encoded(grey), 1, 100000)
     assert [out.getpixel((x, 0)) for x in range(2)] == [(0,) * 3, (254,) * 3]
+    # A 16-bit PGM opens as 32-bit "I" (it came out white); an "I" image within 0..255 is taken as it is.
+    out = data.process_image(encoded(grey, "PPM"), 1, 100000)  # PIL writes a 16-bit grey PPM as PGM (P5, max 65535)
+    assert Image.open(io.BytesIO(encoded(grey, "PPM"))).mode == "I"
+    assert [out.getpixel((x, 0)) for x in range(2)] == [(0,) * 3, (254,) * 3]
+    low = Image.fromarray(numpy.array([[3, 200]] * 4, dtype=numpy.int32))
+    assert low.mode == "I" and [data.process_image(low, 1, 100000).getpixel((x, 0)) for x in range(2)] == [(3,) * 3,
+                                                                                                         (200,) * 3]
 
 
 # ---------------------------------------------------------------------------------------------- loader
@@ -340,8 +347,6 @@ def test_a_video_file_cut_after_its_header_is_an_error_and_one_without_a_frame_c
 def test_big_endian_16_bit_and_a_features_bytes_beside_its_path(toy, tmp_path):
     """I;16B greys v -> v // 257 like I;16: 1000 -> 3, 63000 -> 245 (not white). An HF Image feature's dict holds
     the bytes and the file's bare name: the bytes are read. A video path is looked up under data.image_dir."""
-    import numpy
-
     grey = Image.frombytes("I;16B", (8, 8), (numpy.arange(64).reshape(8, 8) * 1000).astype(">u2").tobytes())
     out = data.process_image(grey, 1, 10**6)
     assert out.getpixel((1, 0)) == (3, 3, 3) and out.getpixel((7, 7)) == (245, 245, 245)

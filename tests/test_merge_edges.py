@@ -1,5 +1,5 @@
-"""merge.py at the edges: a save cut short, an --output that is a file or symlink, a stale <output>.partial, a
-malformed adapter_config.json, --force replacing an output with no moment where neither old nor new exists; LoRA
+"""merge.py at the edges: a save cut short, an --output that is a file or symlink, a stale <output>.partial, two
+merges into one output, a malformed adapter_config.json, --force replacing an output with no moment where neither old nor new exists; LoRA
 merged in fp32 and written in the stored dtype, embedding adapters, dtype names, the index file, the checks of
 tensors, plans, shards and sizes. (tests/test_merge.py holds the round trips and the helpers that build
 checkpoints.)"""
@@ -79,6 +79,25 @@ def test_a_stale_partial_is_removed_with_a_word_and_nothing_else_without_force(t
     with pytest.raises(OSError):
         merge.merge_checkpoint(str(actor), output=str(tmp_path / "late"))
     assert os.listdir(tmp_path / "late") == ["theirs.txt"]
+
+
+def test_a_second_merge_into_an_output_being_written_stops_and_touches_nothing(toy, tmp_path):
+    """Both merges wrote <output>.partial/new: the second removed the first's as "left by an interrupted merge", and
+    with --force the output mixed the shards of two checkpoints. While a merge holds <output>.lock another one stops
+    with an error naming the output; after it, one runs and leaves no lock file behind."""
+    import fcntl
+
+    actor = tmp_path / "actor"
+    text_checkpoint(toy, actor)
+    (tmp_path / "out.partial").mkdir()  # the running merge's work
+    with open(tmp_path / "out.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(merge.MergeError, match=f"another merge.py is writing {tmp_path / 'out'}; wait for it"):
+            merge.merge_checkpoint(str(actor), output=str(tmp_path / "out"), force=True)
+        assert sorted(os.listdir(tmp_path)) == ["actor", "out.lock", "out.partial"]
+    shutil.rmtree(tmp_path / "out.partial")
+    merge.merge_checkpoint(str(actor), output=str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["actor", "out"]
 
 
 def test_malformed_adapter_config_is_an_error_naming_the_file_and_key(toy, tmp_path):

@@ -1,6 +1,7 @@
 """run_folder.py's pieces alone: the log's amended row, the tracker and the checkpoints a resume sets aside, what
-makes a checkpoint incomplete, and the generations a resume that validates first cuts. (The whole resume path,
-with Run and fake workers, is in tests/test_checkpoint.py.)"""
+makes a checkpoint incomplete, the generations a resume that validates first cuts, the KL coefficient a resume
+restores, and val_only leaving the run folder as it is. (The whole resume path, with Run and fake workers, is in
+tests/test_checkpoint.py.)"""
 
 import json
 import os
@@ -8,7 +9,7 @@ import os
 import pytest
 
 import run_folder
-from test_checkpoint import fake_run, make_cfg, no_hf_files, save_steps  # noqa: F401  (no_hf_files: a fixture)
+from test_checkpoint import fake_run, folders, make_cfg, no_hf_files, save_steps  # noqa: F401 (no_hf_files: a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 
@@ -73,3 +74,20 @@ def test_a_resume_that_validates_first_cuts_the_resumed_steps_generations(tmp_pa
     run.logger.close()
     assert run.step == 2
     assert [json.loads(line)["step"] for line in open(tmp_path / "generations.log")] == [0, 1]
+
+
+@pytest.mark.parametrize("saved, resumed", [("fixed", "fixed"), ("fixed", "adaptive"), ("adaptive", "fixed")])
+def test_only_an_adaptive_controller_resumes_its_beta(tmp_path, saved, resumed):
+    """Saved at beta 0.02: a fixed beta is the config's (0.1 here: a changed kl_coef applies after a resume), and an
+    adaptive controller that follows a fixed one starts from its kl_coef, not the old fixed value."""
+    save_steps(tmp_path, [1, 2], kl_type=saved)
+    assert fake_run(tmp_path, make_cfg(kl_type=resumed)).kl_ctrl.value == 0.1
+
+
+def test_validating_the_base_model_in_a_runs_folder_moves_nothing(tmp_path):
+    """val_only with find_last_checkpoint=false validates the base model: the run's checkpoints, tracker and logs
+    stay, and a plain start afterwards resumes at step 2 (they went to earlier_<time>/ and training began again)."""
+    save_steps(tmp_path, [1, 2])
+    fake_run(tmp_path, make_cfg(val_only=True, find_last_checkpoint=False)).logger.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")] and folders(tmp_path) == [1, 2]
+    assert fake_run(tmp_path, make_cfg()).step == 2
