@@ -331,6 +331,10 @@ def check_config(cfg):
             != d.max_response_length:  # DAPO's overlong penalty then starts and ends elsewhere than the cut
         logger.warning("worker.reward.reward_function_kwargs.max_response_length=%s, data.max_response_length=%d: "
                        "the reward's length limit is not the rollout's", length, d.max_response_length)
+    if a.fsdp.mp_param_dtype in ("fp16", "float16") or a.fsdp.torch_dtype in ("fp16", "float16"):
+        logger.warning("worker.actor.fsdp mp_param_dtype=%s, torch_dtype=%s: fp16 training has no loss scaling here, so "
+                       "gradients below fp16's range vanish and activations may overflow: use bf16 where the GPU has "
+                       "it", a.fsdp.mp_param_dtype, a.fsdp.torch_dtype)
     if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
                           "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")

@@ -314,7 +314,7 @@ def test_the_possible_neighbours_of_those_combinations_load():
 def test_settings_that_train_on_another_distribution_or_waste_prompts_are_warned_about(caplog):
     """top_p / top_k in training: sampled from the truncated distribution, log-probs of the whole one (the ratios
     off, as in EasyR1); a mini_rollout_batch_size that does not divide rollout_batch_size generates prompts no step
-    trains on; a reward length limit (DAPO's overlong penalty) that is not the rollout's. All load (EasyR1 runs
+    trains on; a reward length limit (DAPO's overlong penalty) that is not the rollout's; fp16 training. All load (EasyR1 runs
     them) with a warning; the defaults say nothing."""
     import logging
 
@@ -326,6 +326,9 @@ def test_settings_that_train_on_another_distribution_or_waste_prompts_are_warned
     assert "worker.rollout.top_p=0.9, top_k=-1: responses are sampled from the truncated distribution" in caplog.text
     assert "data.mini_rollout_batch_size=384 does not divide data.rollout_batch_size=512" in caplog.text
     assert "reward_function_kwargs.max_response_length=20480, data.max_response_length=2048" in caplog.text
+    caplog.clear()
+    load_checked("worker.actor.fsdp.mp_param_dtype=fp16")  # no GradScaler: small gradients flush to zero
+    assert "mp_param_dtype=fp16, torch_dtype=None: fp16 training has no loss scaling here" in caplog.text
 
 
 # EasyR1's examples/config.yaml at hiyouga/EasyR1 b44b311 (its comments left out): an EasyR1 user's config.
