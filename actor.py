@@ -6,7 +6,8 @@ A training step asks three passes of it, each on a list of sample dicts:
                        (+ kl_coef x that of kl_penalty), backward; one clipped optimizer step per mini-batch and epoch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
-only torch and can be copied alone; the model plumbing (loading, FSDP2, LoRA, packing, the forward) is in modeling.py.
+only torch: those functions can be copied out alone (the file imports modeling.py, the model plumbing: loading,
+FSDP2, LoRA, packing, the forward).
 
 A sample (built by trainer.py) holds:
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded

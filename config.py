@@ -275,6 +275,8 @@ def check_config(cfg):
         raise ConfigError(f"worker.actor.max_grad_norm={a.max_grad_norm} (0: no clipping), clip_ratio_low="
                           f"{a.clip_ratio_low}, clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap={a.tis_cap} (> 0 "
                           f"or null): out of range (a negative one turned the gradient around or stopped it)")
+    if len(a.optim.betas) != 2 or not all(0 <= b < 1 for b in a.optim.betas):  # AdamW: IndexError or ValueError
+        raise ConfigError(f"worker.actor.optim.betas={a.optim.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
     if a.clip_ratio_dual <= 1.0:
         raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
     if d.rollout_batch_size % a.global_batch_size != 0:
@@ -332,9 +334,9 @@ def check_config(cfg):
         logger.warning("worker.reward.reward_function_kwargs.max_response_length=%s, data.max_response_length=%d: "
                        "the reward's length limit is not the rollout's", length, d.max_response_length)
     if a.fsdp.mp_param_dtype in ("fp16", "float16") or a.fsdp.torch_dtype in ("fp16", "float16"):
-        logger.warning("worker.actor.fsdp mp_param_dtype=%s, torch_dtype=%s: fp16 training has no loss scaling here, so "
-                       "gradients below fp16's range vanish and activations may overflow: use bf16 where the GPU has "
-                       "it", a.fsdp.mp_param_dtype, a.fsdp.torch_dtype)
+        logger.warning("worker.actor.fsdp mp_param_dtype=%s, torch_dtype=%s: fp16 training has no loss scaling "
+                       "here, so gradients below fp16's range vanish and activations may overflow: use bf16 where the "
+                       "GPU has it", a.fsdp.mp_param_dtype, a.fsdp.torch_dtype)
     if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
                           "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")

@@ -187,8 +187,8 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     if cfg.filter_overlong_prompts:
         first = ", ".join(f"{rows.where(i)} ({lengths[i]})" for i in overlong[:3])
         (logger.warning if overlong else logger.info)(
-            f"{rows.name}: dropped {len(overlong)} of {len(rows)} rows longer than max_prompt_length={limit} tokens "
-            f"(image and video tokens included)"
+            f"{rows.name}: dropped {len(overlong)} of {len(rows) - len(bad)} rows longer than max_prompt_length="
+            f"{limit} tokens (image and video tokens included)"
             f"{f'; the first: {first}; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
     if not kept:
         raise DataError(f"{rows.name}: no row left: {len(overlong)} longer than max_prompt_length={limit}, "
@@ -298,8 +298,10 @@ class PromptBuilder:
             try:
                 out.append(fn(item, *args))
             except Exception as e:
+                hint = (f" (a relative path is looked up under data.image_dir={self.cfg.image_dir!r}; null: the "
+                        f"working directory {os.getcwd()})" if isinstance(e, FileNotFoundError) else "")
                 raise DataError(f"{where}: {kind} {k} of column '{getattr(self.cfg, kind + '_key')}' is unreadable: "
-                                f"{type(e).__name__}: {e}") from e  # str: a missing file's path too
+                                f"{type(e).__name__}: {e}{hint}") from e  # str: a missing file's path too
         return out
 
     def measure(self, row, where):
@@ -340,7 +342,8 @@ class PromptBuilder:
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
         for kind, key, items in (("image", cfg.image_key, images), ("video", cfg.video_key, videos)):
             if content.count(f"<{kind}>") != len(items):
-                raise DataError(f"{where}: {len(items)} {kind}(s) in column '{key}' but {content.count(f'<{kind}>')} "
+                column = f"column '{key}'" + ("" if key in row else " (none such)")
+                raise DataError(f"{where}: {len(items)} {kind}(s) in {column} but {content.count(f'<{kind}>')} "
                                 f"<{kind}> placeholder(s) in the prompt; put one <{kind}> where each {kind} goes")
             if items and self.image_processor is None:
                 raise DataError(f"{where}: the row has {kind}s but the model is text-only (no image processor)")

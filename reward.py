@@ -306,13 +306,15 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
 def toy_reward(sample, format_weight=0.1):
     """The offline toy tasks (colours of a square; sums of two numbers): the answer is the first word.
 
-    word     = first whitespace-separated word of the response, lowercased, punctuation stripped from its ends
+    word     = first whitespace-separated word of the response (of its first <answer>...</answer>, as the warm-started
+               toy models write it, if there is one), lowercased, punctuation stripped from its ends
     accuracy = 1 if word == the ground truth (lowercased, stripped), else 0
     format   = 1 if word is a toy answer at all (red, green, blue, yellow, or a whole number), else 0
     overall  = (1 - format_weight) * accuracy + format_weight * format
     The format bonus gives a random-init model a signal before it ever names the right answer.
     """
-    word = (sample["response"].split() or [""])[0].lower().strip(".,;:!?\"'()[]{}")
+    response = (found := R1V_ANSWER.search(sample["response"])) and found.group(1) or sample["response"]
+    word = (response.split() or [""])[0].lower().strip(".,;:!?\"'()[]{}")
     accuracy = 1.0 if word and word == str(sample["ground_truth"]).strip().lower() else 0.0
     form = 1.0 if word in TOY_COLORS or word.isdigit() else 0.0
     return _weighted(accuracy, form, format_weight)

@@ -104,7 +104,7 @@ class Run:
             print(f"step {self.step} of {self.training_steps} done: nothing left to train (raise trainer.max_steps)")
         if t.val_before_train or t.val_only:  # also when resuming, as EasyR1
             metrics = self.validate()
-            self.logger.log(metrics, self.step, amend=self.step > 0)  # resumed: into the row of the step it resumes
+            self.logger.log(metrics, self.step, amend=self.step > 0 or t.val_only)  # into that step's row, if any
             if t.val_only:
                 return metrics
         with tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger) as bar:
@@ -429,13 +429,14 @@ def check_choices(cfg):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="GRPO and relatives for vision-language models. Overrides: "
                                      "a.b.c=value.", epilog="Every key is documented in configs/geo3k.yaml.")
-    parser.add_argument("--config", help="YAML config (default: configs/toy.yaml; EasyR1's form config=path too)")
+    parser.add_argument("--config", action="append",
+                        help="YAML config (default: configs/toy.yaml; EasyR1's form config=path too)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value")
     args = parser.parse_args(argv)
     show_logs()
     easyr1 = [o for o in args.overrides if o.startswith("config=")]  # its scripts: main config=examples/config.yaml
-    if len(files := ([args.config] if args.config else []) + [o.partition("=")[2] for o in easyr1]) > 1:
+    if len(files := (args.config or []) + [o.partition("=")[2] for o in easyr1]) > 1:  # --config given twice too
         parser.exit(2, f"config error: one config file, got {files} (--config path, or config=path)\n")
     try:
         cfg = load_config(files[0] if files else os.path.join(HERE, "configs", "toy.yaml"),

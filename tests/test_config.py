@@ -241,6 +241,9 @@ def test_easyr1_command_line_form_config_equals_path(capsys):
         trainer.main(["--config", "toy.yaml", "config=geo3k.yaml"])
     assert exit_info.value.code == 2
     assert "one config file, got ['toy.yaml', 'geo3k.yaml']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the last one was taken, silently
+        trainer.main(["--config", "toy.yaml", "--config", "geo3k.yaml"])
+    assert "one config file, got ['toy.yaml', 'geo3k.yaml']" in capsys.readouterr().err
 
 
 def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_extra():
@@ -572,6 +575,8 @@ def test_every_group_estimator_needs_two_responses_a_prompt(estimator):
     (["worker.rollout.val_override_config={n: true}"], "val_override_config.n=True (>= 1)"),  # a bool is no count
     (["worker.rollout.val_override_config={temperature: true}"], "temperature=True (>= 0)"),
     (["algorithm.gamma=0.99"], "algorithm.gamma must be 1.0"),
+    (["worker.actor.optim.betas=0.9"], r"betas=[0.9] must be two numbers in [0, 1)"),  # AdamW's IndexError at setup
+    (["worker.actor.optim.betas=[0.9, 1.0]"], r"betas=[0.9, 1.0] must be two"),
     (["worker.actor.ulysses_size=0"], "worker.actor.ulysses_size=0, padding_free=True: only 1 and true are supported"),
     # 4 workers: 2 prompts x 5 = 10 responses an optimizer step do not split, though 4 x 5 = 20 a step would
     (["trainer.n_gpus_per_node=4", "worker.actor.global_batch_size=2", "data.rollout_batch_size=4"],

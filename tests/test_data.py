@@ -617,13 +617,16 @@ BAD_ROWS = {
     "unreadable image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": b"not a png", "path": None}]},
                          "image 0 of column 'images' is unreadable"),
     "missing image file": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": "/no/x.png"}]},
-                           "image 0 of column 'images' is unreadable: FileNotFoundError: .*'/no/x.png'"),
+                           "image 0 of column 'images' is unreadable: FileNotFoundError: .*'/no/x.png' \\(a "
+                           "relative path is looked up under data.image_dir=None; null: the working directory"),
     "empty prompt": ({"problem": "  ", "answer": "a", "images": []}, "empty prompt in column 'problem'"),
     "null prompt": ({"problem": None, "answer": "a", "images": []}, "empty prompt in column 'problem'"),
     "image, no placeholder": ({"problem": "Q?", "answer": "a", "images": [{"bytes": png(56, 56), "path": None}]},
                               r"1 image\(s\) in column 'images' but 0 <image> placeholder"),
     "placeholders, no image": ({"problem": "<image><image>Q?", "answer": "a", "images": []},
                                r"0 image\(s\) in column 'images' but 2 <image> placeholder"),
+    "no video column": ({"problem": "<video>Q?", "answer": "a", "images": []},  # a mistyped video_key, say
+                        r"0 video\(s\) in column 'videos' \(none such\) but 1 <video> placeholder"),
     "missing video file": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": ["/no/clip.mp4"]},
                            "video 0 of column 'videos' is unreadable: .*No such file"),
     "corrupt video": ({"problem": "<video>Q?", "answer": "a", "images": [], "videos": [b"not a video"]},

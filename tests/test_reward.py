@@ -511,6 +511,9 @@ def test_toy_ground_truth_is_lowercased_too_and_brackets_and_quotes_are_stripped
     assert reward.toy_reward(sample("RED", " Red ")) == {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
     for response in ("(blue)", "[blue]", "{blue}", '"blue"', "'blue'"):
         assert reward.toy_reward(sample(response, "blue"))["overall"] == 1.0, response
+    # the warm-started toy models answer in tags: the word is the tag's (it was '<answer>blue</answer>': 0)
+    assert reward.toy_reward(sample("<answer>Blue</answer>", "blue"))["overall"] == 1.0
+    assert reward.toy_reward(sample("<answer>7 red</answer> blue", "blue"))["accuracy"] == 0.0
 
 
 def test_keys_renamed_but_as_many_are_still_a_change_of_keys(tmp_path):

@@ -86,8 +86,15 @@ def test_only_an_adaptive_controller_resumes_its_beta(tmp_path, saved, resumed):
 
 def test_validating_the_base_model_in_a_runs_folder_moves_nothing(tmp_path):
     """val_only with find_last_checkpoint=false validates the base model: the run's checkpoints, tracker and logs
-    stay, and a plain start afterwards resumes at step 2 (they went to earlier_<time>/ and training began again)."""
+    stay, and a plain start afterwards resumes at step 2 (they went to earlier_<time>/ and training began again).
+    Validated twice, step 0 has one row, the last validation's (it had two: a step-0 row was appended each time)."""
     save_steps(tmp_path, [1, 2])
-    fake_run(tmp_path, make_cfg(val_only=True, find_last_checkpoint=False)).logger.close()
+    for score in (0.25, 0.5):
+        run = fake_run(tmp_path, make_cfg(val_only=True, find_last_checkpoint=False))
+        run.validate = lambda: {"val/reward_score": score}
+        run.fit()
+        run.logger.close()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")] and folders(tmp_path) == [1, 2]
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [(r["step"], r.get("val/reward_score")) for r in rows] == [(1, None), (2, None), (0, 0.5)]
     assert fake_run(tmp_path, make_cfg()).step == 2
