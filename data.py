@@ -428,9 +428,8 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
             decoded = i + 1
     if len(frames) < len(indices):
         raise ValueError(f"only {decoded} of the {total} frames its header announces decode: truncated or corrupt")
-    metadata = {"fps": rate, "duration": total / rate, "total_num_frames": total, "frames_indices": indices,
-                "video_backend": "pyav"}
-    return numpy.stack(frames), metadata  # [T, H, W, 3]
+    return numpy.stack(frames), {"fps": rate, "duration": total / rate, "total_num_frames": total,  # [T, H, W, 3]
+                                 "frames_indices": indices, "video_backend": "pyav"}
 
 
 def sample_frame_indices(total, rate, fps):

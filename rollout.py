@@ -64,8 +64,7 @@ def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, dev
 
 def sampling_settings(cfg, override=None):
     """{n, temperature, top_p, top_k} from the config, replaced by `override` (e.g. val_override_config)."""
-    unknown = sorted(set(override or {}) - set(SAMPLING_KEYS))
-    if unknown:
+    if unknown := sorted(set(override or {}) - set(SAMPLING_KEYS)):
         raise ValueError(f"worker.rollout.val_override_config: unknown key(s) {unknown}; allowed {list(SAMPLING_KEYS)}")
     return {**{key: getattr(cfg, key) for key in SAMPLING_KEYS}, **(override or {})}
 
@@ -386,8 +385,7 @@ def _check_sampling(prompts, n, temperature, top_p, max_tokens, key):
         raise ValueError(f"rollout sampling settings out of range: n={n} (>= 1), max_tokens={max_tokens} (>= 1), "
                          f"temperature={temperature} (>= 0), top_p={top_p} (in (0, 1])")
     for i, prompt in enumerate(prompts):
-        missing = [k for k in (key, "uid") if k not in prompt]
-        if missing:
+        if missing := [k for k in (key, "uid") if k not in prompt]:
             raise KeyError(f"prompt {i} lacks {missing} (has {sorted(prompt)}); data.py makes them")
         if not len(prompt[key]):
             raise ValueError(f"prompt {i} (uid {prompt['uid']}) has an empty {key}")

@@ -120,8 +120,7 @@ class Logger:
         fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.5))
         for ax, (title, keys) in zip(axes, panels.items()):
             for key, label in zip(keys, ("train", "validation")):
-                points = sorted({r["step"]: r[key] for r in rows if key in r}.items())
-                if points:
+                if points := sorted({r["step"]: r[key] for r in rows if key in r}.items()):
                     ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
             ax.set(title=title, xlabel="step")
             if ax.lines:

@@ -151,8 +151,7 @@ class Run:
                 _attach(samples, "advantage", self.advantages(samples, scores, token_kl, beta, greedy, metrics))
             with timer(metrics, "update_actor"):
                 metrics.update(self.workers.update(samples))
-        metrics.update(reward_metrics)
-        metrics.update(_batch_metrics(prompts, responses, samples, cfg, metrics))
+        metrics.update({**reward_metrics, **_batch_metrics(prompts, responses, samples, cfg, metrics)})
         return metrics
 
     def make_batch(self, metrics):
