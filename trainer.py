@@ -173,8 +173,8 @@ class Run:
             all_scores += batch_scores
             if a.online_filtering and a.filter_key not in batch_scores[0]:
                 raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*batch_scores[0]]}")
-            if a.online_filtering:  # flat groups go only where their advantages would all be 0
-                flat_is_zero = a.adv_estimator in advantage.ZERO_WHEN_FLAT  # spread: of what the advantages use
+            if a.online_filtering:  # flat groups go only where their advantages would be 0 (or the KL's alone)
+                flat_is_zero = a.adv_estimator in advantage.ZERO_WHEN_FLAT  # spread: of the raw overall scores
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
                                                 spread=[s["overall"] for s in batch_scores] if flat_is_zero else None)
