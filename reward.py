@@ -313,8 +313,8 @@ def toy_reward(sample, format_weight=0.1):
     overall  = (1 - format_weight) * accuracy + format_weight * format
     The format bonus gives a random-init model a signal before it ever names the right answer.
     """
-    response = (found := R1V_ANSWER.search(sample["response"])) and found.group(1) or sample["response"]
-    word = (response.split() or [""])[0].lower().strip(".,;:!?\"'()[]{}")
+    found = R1V_ANSWER.search(sample["response"])
+    word = ((found.group(1) if found else sample["response"]).split() or [""])[0].lower().strip(".,;:!?\"'()[]{}")
     accuracy = 1.0 if word and word == str(sample["ground_truth"]).strip().lower() else 0.0
     form = 1.0 if word in TOY_COLORS or word.isdigit() else 0.0
     return _weighted(accuracy, form, format_weight)
