@@ -256,7 +256,7 @@ def run_mode(actor, mode, repeats):
     print(json.dumps(result), flush=True)
     one = samples[:next((i for i in range(len(lengths)) if sum(lengths[:i + 1]) > MICRO), len(samples))]
     # one micro-batch of each pass (the first samples within the budget), profiled; then their host syncs
-    policy.cfg.global_batch_size = len(one)
+    policy.cfg.global_batch_size = policy.mini_batch_size = len(one)  # the actor reads its mini-batch size once
     result["profile_old_micro_batch"] = top_kernels(lambda: policy.compute_log_probs(one))
     result["profile_update_micro_batch"] = top_kernels(lambda: policy.update(one))
     result["sync_points_old"] = sync_points(lambda: policy.compute_log_probs(one))
