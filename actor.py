@@ -6,8 +6,8 @@ A training step asks three passes of it, each on a list of sample dicts:
                        (+ kl_coef x that of kl_penalty), backward; one clipped optimizer step per mini-batch and epoch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
-only torch: those functions can be copied out alone (the file imports modeling.py, the model plumbing: loading,
-FSDP2, LoRA, packing, the forward).
+only torch and can be copied out alone; the Actor needs modeling.py (loading, FSDP2, LoRA, packing, the forward)
+and config.py (its cfg, the worker.actor section: ActorConfig; keys in configs/geo3k.yaml).
 
 A sample (built by trainer.py) holds:
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded
@@ -21,9 +21,7 @@ A sample (built by trainer.py) holds:
     ref_logprobs        Tensor [len(response_ids)]   (update, with use_kl_loss)
     rollout_logprobs    Tensor [len(response_ids)]   (update, optional: TIS and mismatch metrics)
 
-Config: the worker.actor section (config.py's ActorConfig; keys in configs/geo3k.yaml): copy modeling.py and config.py
-along. With a process group, every rank calls each method together (FSDP all-gathers inside); without one, nothing
-is sharded.
+With a process group, every rank calls each method together (FSDP all-gathers inside); without one, nothing is sharded.
 """
 
 import collections
@@ -207,8 +205,7 @@ def _check_flat(cu_seqlens, **tensors):
     tokens = next(iter(shapes.values()))[0]
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != tokens:
         raise ValueError(f"cu_seqlens must run from 0 to the token count {tokens}, got {cu_seqlens.tolist()}")
-    bad = torch.nonzero(cu_seqlens.diff() < 0).flatten().tolist()
-    if bad:
+    if bad := torch.nonzero(cu_seqlens.diff() < 0).flatten().tolist():
         raise ValueError(f"cu_seqlens decreases at sequences {bad}: {cu_seqlens.tolist()}")
 
 
@@ -294,9 +291,8 @@ class Actor:
     def compute_log_probs(self, samples, disable_adapter=False, with_entropy=False):
         """Temperature-scaled log-probs of every sample's response tokens: fp32 CPU tensors [len(response_ids)] in
         input order; with `with_entropy`, (log-probs, entropies). `disable_adapter=True` runs a LoRA model with its
-        adapters off: the reference at no extra memory. The policy uses the update's mini- and micro-batches, so old
-        and new log-probs come from identical kernels; the reference packs the list under the experience budget (LoRA's,
-        the policy with its adapters off, as the policy)."""
+        adapters off: the reference at no extra memory. The policy (and LoRA's reference) uses the update's mini- and
+        micro-batches, so old and new log-probs come from identical kernels; role="ref" uses the experience budget."""
         kind, chunk = ("update", self.mini_batch_size) if self.role == "actor" else ("experience", max(1, len(samples)))
         done = []  # (indices, response lengths, logp [N], entropy [N] or [0]) per micro-batch, still on the device
         modalities = self._modalities(samples)

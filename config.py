@@ -7,8 +7,7 @@ Defaults are EasyR1's `examples/config.yaml` with its geo3k script's data and mo
 the logger (README); configs/geo3k.yaml documents every key. load_config merges defaults <- YAML file <- `a.b.c=value`
 overrides with OmegaConf, as EasyR1: a value must fit its key's type (`n=2.5` fails), `a,b` sets a list key, a dict
 key given whole is replaced, and an unknown key names the closest valid one (EASYR1_ONLY's: why they are not here).
-check_config checks values against each other; trainer.check_choices those each stage lists in its own table.
-"""
+check_config checks values against each other; trainer.check_choices those each stage lists in its own table."""
 
 import dataclasses
 import difflib
@@ -274,7 +273,7 @@ def check_config(cfg):
     if min(a.max_grad_norm, a.clip_ratio_low, a.clip_ratio_high) < 0 or (a.tis_cap is not None and a.tis_cap <= 0):
         raise ConfigError(f"worker.actor.max_grad_norm={a.max_grad_norm} (0: no clipping), clip_ratio_low="
                           f"{a.clip_ratio_low}, clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap={a.tis_cap} (> 0 "
-                          f"or null): out of range (a negative one turned the gradient around or stopped it)")
+                          f"or null): out of range (a negative one reverses or stops the gradient)")
     if len(a.optim.betas) != 2 or not all(0 <= b < 1 for b in a.optim.betas):  # AdamW: IndexError or ValueError
         raise ConfigError(f"worker.actor.optim.betas={a.optim.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
     if a.clip_ratio_dual <= 1.0:
@@ -306,10 +305,9 @@ def check_config(cfg):
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off; n and top_k "
                               f"integers): out of range")
-    if r.temperature < 1e-5:  # the log-probs divide the logits by it (0: all NaN); vLLM samples greedily below 1e-5
+    if r.temperature < 1e-5:  # 0: NaN log-probs; vLLM samples greedily below 1e-5
         raise ConfigError(f"worker.rollout.temperature={r.temperature}: training samples at a temperature >= 1e-5 "
-                          "(every log-prob pass divides the logits by it); greedy decoding is for validation: "
-                          "val_override_config")
+                          "(log-probs divide the logits by it); greedy decoding is for validation: val_override_config")
     if alg.kl_type == "adaptive" and alg.use_kl_loss and not alg.disable_kl:  # as EasyR1: the loss keeps kl_coef
         raise ConfigError("algorithm.kl_type=adaptive adapts the KL in the reward, which use_kl_loss=true turns off "
                           "(the KL loss keeps algorithm.kl_coef): set algorithm.use_kl_loss=false, or kl_type=fixed")
@@ -319,16 +317,14 @@ def check_config(cfg):
     if abs(d.seed) >= 2**43:  # epoch e shuffles under seed * 1_000_003 + e, which must fit torch's 64-bit seed
         raise ConfigError(f"data.seed={d.seed} must be below 2**43 in size")
     if r.top_p < 1 or r.top_k > 0:
-        logger.warning(
-            "worker.rollout.top_p=%s, top_k=%s: responses are sampled from the truncated distribution, but the "
-            "log-probs (old, reference, new) are of the whole one, so the PPO ratios and the KL are off "
-            "(rollout/logp_diff_mean shows how far; EasyR1 does the same): keep top_p 1 and top_k -1 for training, "
-            "val_override_config may set them for validation", r.top_p, r.top_k)
+        logger.warning("worker.rollout.top_p=%s, top_k=%s: responses are sampled from the truncated distribution, "
+                       "but the log-probs are of the whole one, so the PPO ratios and KL are off (rollout/logp_diff_"
+                       "mean shows how far; as in EasyR1): keep top_p 1 and top_k -1 for training; val_override_config "
+                       "may set them for validation", r.top_p, r.top_k)
     if not alg.online_filtering and d.mini_rollout_batch_size and d.rollout_batch_size % d.mini_rollout_batch_size:
-        logger.warning(
-            "data.mini_rollout_batch_size=%d does not divide data.rollout_batch_size=%d: each step's last generation "
-            "round makes prompts it does not train on (as in EasyR1); a divisor wastes none",
-            d.mini_rollout_batch_size, d.rollout_batch_size)
+        logger.warning("data.mini_rollout_batch_size=%d does not divide data.rollout_batch_size=%d: each step's last "
+                       "generation round makes prompts it does not train on (as in EasyR1); a divisor wastes none",
+                       d.mini_rollout_batch_size, d.rollout_batch_size)
     if (length := cfg.worker.reward.reward_function_kwargs.get("max_response_length", d.max_response_length)) \
             != d.max_response_length:  # DAPO's overlong penalty then starts and ends elsewhere than the cut
         logger.warning("worker.reward.reward_function_kwargs.max_response_length=%s, data.max_response_length=%d: "

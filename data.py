@@ -30,9 +30,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
-Reads cfg.data (config.py's DataConfig, which copies along: it imports no stage; keys documented in
-configs/geo3k.yaml). Relative paths (sources, templates) are tried from the working directory, then from this
-file's folder.
+Reads cfg.data (config.py's DataConfig; keys documented in configs/geo3k.yaml). Relative paths (sources,
+templates) are tried from the working directory, then from this file's folder.
 """
 
 import bisect
@@ -89,13 +88,12 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
 
 
 class PromptLoader(collections.abc.Iterator):
-    """Batches of prompt dicts from a source, forever, its rows loaded and checked at start-up (load_rows,
-    check_rows). A batch's prompts are built when it is asked for or, with `prefetch`, in a daemon thread
-    while the previous batch trains (with the loader's own copy of the processor: no tokenizer shared).
-    Epoch e visits the kept rows in the order torch.randperm(n, generator seeded seed * 1_000_003 + e) (file
-    order without shuffle), cut into batches of `batch_size` (-1: all rows); drop_last drops the short tail.
-    The position (current_epoch, batch) is what state_dict() saves, so a resumed loader yields exactly the
-    batches an uninterrupted one would."""
+    """Batches of prompt dicts from a source, forever, its rows loaded and checked at start-up (load_rows, check_rows).
+    A batch's prompts are built when it is asked for or, with `prefetch`, in a daemon thread while the previous batch
+    trains (with the loader's own copy of the processor: no tokenizer shared). Epoch e visits the kept rows in the
+    order torch.randperm(n, generator seeded seed * 1_000_003 + e) (file order without shuffle), cut into batches of
+    `batch_size` (-1: all rows); drop_last drops the short tail. state_dict() saves the position (current_epoch,
+    batch): a resumed loader yields the batches an uninterrupted one would."""
 
     def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False,
                  prefetch=False):
@@ -118,7 +116,7 @@ class PromptLoader(collections.abc.Iterator):
         batch = future.result() if built == position else self._make_batch(*position)  # a build's error raises here
         self.batch = (self.batch + 1) % self.batches_per_epoch
         self.current_epoch += self.batch == 0
-        if self.prefetch:  # the next batch, built while this one trains by a daemon thread: exit never waits for it
+        if self.prefetch:  # the next batch, built while this one trains; a daemon thread: exit never waits for it
             self.pending = ((self.current_epoch, self.batch), concurrent.futures.Future())
             threading.Thread(target=self._build_into, args=self.pending, name="prefetch", daemon=True).start()
         return batch
@@ -139,7 +137,7 @@ class PromptLoader(collections.abc.Iterator):
                                  f"{now[key]}; resuming continues the same order only with the same data and config")
         self.current_epoch, self.batch = state["epoch"], state["batch"]  # a prefetched batch of elsewhere is unused
 
-    def _build_into(self, position, future):  # the prefetch thread's work; its error raises in __next__
+    def _build_into(self, position, future):  # the prefetch thread's work
         try:
             future.set_result(self._make_batch(*position))
         except BaseException as e:
@@ -219,8 +217,7 @@ class PromptBuilder:
         self.cfg, self.processor, self.tokenizer = cfg, processor, getattr(processor, "tokenizer", processor)
         self.image_processor, self.rope_model, self.video_span = getattr(processor, "image_processor", None), None, None
         if self.image_processor is not None:
-            # The bare model on the meta device (no weight read or allocated; a 7B model builds in ~0.2 s): its
-            # get_rope_index reads only the config, so the positions are the model's own for every Qwen-VL family.
+            # on the meta device: get_rope_index reads only the config, so positions are the model's own per family
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             with torch.device("meta"):
                 self.rope_model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
@@ -228,11 +225,10 @@ class PromptBuilder:
                 raise ValueError(f"{type(self.rope_model).__name__} has no get_rope_index: data.py builds "
                                  "position ids for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and text models only")
             # Qwen3-VL's processor puts each temporal patch in its own <|vision_start|> ... <|vision_end|> after its
-            # timestamp; the chat template's pair around <|video_pad|> must go (transformers 4 and vLLM drop it,
-            # transformers 5 keeps it: 2 tokens per video the model never saw, and prompts unlike vLLM's)
+            # timestamp; the chat template's pair around <|video_pad|> is dropped, as vLLM does (the model never saw it)
             self.video_span = (f"{processor.vision_start_token}{processor.video_token}{processor.vision_end_token}"
                                if config.model_type in ("qwen3_vl", "qwen3_vl_moe") else None)
-        if cfg.format_prompt:  # a mistyped `{{ question }}` rendered '' for every row: the question gone, no error
+        if cfg.format_prompt:  # checked: a mistyped `{{ question }}` would silently render '' for every row
             env = jinja2.Environment(undefined=jinja2.StrictUndefined)
             try:
                 ast = env.parse(_read_text(cfg.format_prompt, "data.format_prompt").strip())
@@ -305,9 +301,9 @@ class PromptBuilder:
         return out
 
     def measure(self, row, where):
-        """The length build() will give, checking the row on the way (every image decoded once: a truncated body
-        fails here): the unexpanded text's tokens plus, per image, its tokens but the one placeholder, from the
-        image processor's get_number_of_image_patches at process_image's size (no resize, no processor call)."""
+        """The length build() will give, checking the row on the way (a truncated image fails here): the unexpanded
+        text's tokens plus, per image, its tokens less the one placeholder, from the image processor's
+        get_number_of_image_patches at process_image's size (no resize, no processor call)."""
         text, images, videos = self.prompt_text(row, where)
         if videos:  # a video's tokens depend on its decoded frames (and Qwen3-VL's timestamps): encoded whole
             return len(self.encode(row, where)[2]["input_ids"][0])
@@ -362,11 +358,9 @@ class PromptBuilder:
 
 def trained_positions(mrope, types):
     """The mrope rows as Qwen2-VL and Qwen2.5-VL were trained (and as vLLM computes them): each run of text, image
-    or video tokens starts one past the largest position before it, keeping its own (t, h, w) offsets. transformers
-    >= 5.3's get_rope_index starts the text after an image or video at the block's start + max(h, w) / merge: the
-    same for an image, but inside a video whose time positions reach further (huggingface/transformers#45381), so
-    the question and the response overlapped the video's times, unlike the rollout's. mrope [3, P]; types [P]:
-    0 text, 1 image, 2 video. Qwen3-VL (one time step per block) is unchanged."""
+    or video tokens starts one past the largest position before it, keeping its own (t, h, w) offsets (transformers
+    >= 5.3 starts text after a video inside the video's time positions: huggingface/transformers#45381).
+    mrope [3, P]; types [P]: 0 text, 1 image, 2 video. Qwen3-VL (one time step per block) is unchanged."""
     out, start, bounds = torch.empty_like(mrope), 0, [0] + (torch.diff(types).nonzero()[:, 0] + 1).tolist()
     for a, b in zip(bounds, bounds[1:] + [len(types)]):
         out[:, a:b] = mrope[:, a:b] - mrope[:, a:a + 1] + start  # the run's offsets from its first token
@@ -378,11 +372,10 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     """An RGB PIL image with at most max_pixels and at least min_pixels pixels, aspect ratio kept.
 
     `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
-    image_dir). Made RGB first as a viewer shows it: transparency over white (as transformers and vLLM do; PIL's
-    convert("RGB") makes it black), 16-bit grey v -> v // 257 (PIL's clips at 255: white; PIL opens a 16-bit PGM as
-    32-bit "I": read as 16-bit when its values pass 255). Scaling by
-    s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so each bound holds
-    (an upscale may pass max_pixels when the two are closer than a side's rounding); sizes in range are kept."""
+    image_dir). Made RGB as a viewer shows it: transparency over white (as transformers and vLLM do), 16-bit grey
+    v -> v // 257 (PIL would clip at 255), as is a 32-bit "I" image with values over 255 (PIL opens 16-bit PGM so).
+    Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so each
+    bound holds (an upscale may pass max_pixels when the two are closer than a side's rounding); sizes in range kept."""
     image = _open_image(image, image_dir)
     if image.mode.startswith("I;16") or image.mode == "I" and image.getextrema()[1] > 255:
         image = Image.fromarray((numpy.asarray(image).clip(0, 65535) // 257).astype(numpy.uint8))
@@ -563,8 +556,8 @@ def _of_split(relpath, split):
 
 
 def _read_file(path):
-    """The file as a datasets.Dataset, or None when it has no rows: an empty file, a parquet file of zero rows,
-    a json/jsonl file that is blank or `[]` (datasets' own errors there name neither the file nor the cause)."""
+    """The file as a datasets.Dataset, or None when it has no rows (an empty file, a parquet file of zero rows, a
+    blank or `[]` json/jsonl file): the caller then names the file, which datasets' error would not."""
     extension = os.path.splitext(path)[1]
     if extension not in FILE_BUILDERS:
         raise DataError(f"{path}: not a {', '.join(FILE_BUILDERS)} file")
@@ -584,8 +577,7 @@ def _read_file(path):
 
 def _undecoded(part):
     """`part` with its Image and Video features, in lists and dicts too, set to decode=False (its Arrow data as is):
-    rows then hold {"bytes", "path"} for process_image / process_video, so image_dir applies and a bad one names its
-    row (datasets' own decoding read a relative path from the working directory and raised a bare PIL error)."""
+    rows then hold {"bytes", "path"} for process_image / process_video: image_dir applies, a bad one names its row."""
     def visit(f):
         if isinstance(f, (datasets.Image, datasets.Video)):
             return dataclasses.replace(f, decode=False)

@@ -51,7 +51,7 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
         raise MergeError(f"dtype {dtype!r} cannot be written: choose bf16, fp16 or fp32 (None keeps the stored dtype)")
     dtype, max_bytes = dtype and DTYPES[str(dtype).lower().removeprefix("torch.")], parse_size(max_shard_size)
     lora_path = os.path.join(hf_dir, "adapter_config.json")
-    try:  # invalid JSON, or no r or lora_alpha (peft would load its default 8 for either: another scale, no error)
+    try:  # r and lora_alpha are required: peft would default either to 8, silently another scale
         lora = json.load(open(lora_path)) if os.path.exists(lora_path) else None
         lora and [lora[key] for key in ("r", "lora_alpha")]  # a KeyError naming the missing one
     except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
@@ -73,23 +73,24 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
     try:
         check_output(output, local_dir, force)  # again: the other merge may have just written it
         tensors = read_metadata(model_dir)
-        partial, work = output + ".partial", output + ".partial/new"  # work is renamed into place at the end, so
-        if os.path.lexists(partial):  # a crash leaves no half-written output, only <output>.partial: removed here
+        partial, work = output + ".partial", output + ".partial/new"  # work is renamed to output at the end
+        if os.path.lexists(partial):  # a crash leaves no half-written output, only <output>.partial
             print(f"merge.py: removing {partial}, left by an interrupted merge")
             shutil.rmtree(partial)
         skip = ["adapter_config.json", *WEIGHT_FILES, *(["config.json"] if adapter_only else [])]
-        # tokenizer, processor, ...: contents, not modes (a write-protected checkpoint's made the output read-only)
+        # tokenizer, processor, ...: contents only, so a write-protected checkpoint gives a writable output
         shutil.copytree(hf_dir, work, ignore=shutil.ignore_patterns(*skip), copy_function=shutil.copyfile)
         os.chmod(work, 0o755)
         try:
-            dtype = (write_adapter(model_dir, tensors, lora, work, dtype) if adapter_only else
-                     write_model(model_dir, tensors, hf_dir, lora, work, dtype, max_bytes))  # -> the dtype written
-            if not adapter_only:  # the dtype written, not the base model's: from_pretrained(dtype="auto") keeps it
+            if adapter_only:
+                write_adapter(model_dir, tensors, lora, work, dtype)
+            else:  # config.json gets the dtype written, not the base model's: from_pretrained(dtype="auto") keeps it
+                dtype = write_model(model_dir, tensors, hf_dir, lora, work, dtype, max_bytes)
                 config = json.load(open(os.path.join(work, "config.json")))
                 for part in [config, *(v for v in config.values() if isinstance(v, dict) and "dtype" in v)]:
                     part["dtype"] = str(dtype).removeprefix("torch.")  # a VL model's text and vision configs too
                 pathlib.Path(work, "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-            for path in pathlib.Path(work).iterdir():  # everyone's to read, as save_pretrained's (safetensors: 0600)
+            for path in pathlib.Path(work).iterdir():  # world-readable, as save_pretrained's (safetensors: 0600)
                 path.chmod(0o755 if path.is_dir() else 0o644)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
@@ -213,7 +214,7 @@ def read_metadata(model_dir):
     file the metadata points into (one per saving rank) exists and is long enough."""
     try:
         metadata = dcp.FileSystemReader(model_dir).read_metadata()
-    except Exception as e:  # an empty or cut file: pickle's EOFError / UnpicklingError
+    except Exception as e:  # an empty or cut file: EOFError, UnpicklingError
         raise MergeError(f"{model_dir}/.metadata cannot be read ({e!r}); copy it again from where the run saved it")
     ends = sorted((info.relative_path, info.offset + info.length) for info in metadata.storage_data.values())
     for name, nbytes in dict(ends).items():  # each file's largest end (the last of its sorted pairs)

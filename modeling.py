@@ -1,7 +1,6 @@
 """modeling.py: the model plumbing under actor.py, skippable on a first reading. Imports no stage.
 
-Needs transformers >= 5.18 (Qwen-VL forwards take `mm_encoder_outputs`; tested with 5.22.2, 5.24.0), torch >= 2.6.
-"""
+Needs transformers >= 5.18 (Qwen-VL forwards take `mm_encoder_outputs`; tested with 5.22.2, 5.24.0), torch >= 2.6."""
 
 import functools
 import inspect
@@ -28,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The name contains "flash" on purpose: transformers' Qwen-VL vision attention then hands its own per-window /
-# per-image cu_seqlens to the attention function in one call (`is_flash_attention_requested` is a substring test).
+# "flash" in the name makes transformers' Qwen-VL vision attention pass its per-window / per-image cu_seqlens in one
+# call (`is_flash_attention_requested` is a substring test).
 ATTENTION = "packed_flash_varlen"
 HEAD_CHUNK = 1024  # response tokens per LM-head chunk: [1024, vocab] fp32 logits at a time
 # Dense bf16 peak TFLOP/s by device-name substring, first match wins: "H200" must come before "H20".
@@ -44,9 +43,9 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
 def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compile_layers=False):
     """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward.
 
-    A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config, with attention routed to
-    packed_attention; LoRA adapters in the master dtype on frozen base weights in the compute dtype. With
-    fsdp.enable_rank0_init rank 0 reads the weights and the other ranks, built on the meta device, receive them."""
+    A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config; attention is packed_attention.
+    LoRA adapters in the master dtype on frozen base weights in the compute dtype. With fsdp.enable_rank0_init rank 0
+    reads the weights and the other ranks, built on the meta device, receive them."""
     sharded = dist.is_available() and dist.is_initialized()
     rank0_init = sharded and dist.get_world_size() > 1 and cfg.fsdp.enable_rank0_init
     model_cfg = cfg.model
@@ -99,7 +98,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         logger.warning("worker.actor.model.freeze_vision_tower: %s has no vision tower; nothing is frozen",
                        model_cfg.model_path)
     if role == "actor" and model_cfg.enable_gradient_checkpointing:
-        # transformers >= 5.2x renamed it activation_checkpointing_enable (the old name warns); same first argument
+        # newer transformers call it activation_checkpointing_enable (the old name warns); same arguments
         enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
         enable({"use_reentrant": False})
     hf.train(role == "actor")  # dropout is 0 in the supported models; train() enables checkpointing
@@ -112,10 +111,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     if not sharded:
         return hf.to(device), module, config
 
-    # FSDP2: fully_shard every decoder layer and vision block, then the root; fsdp_size in (0, world): hybrid
-    # sharding (replicate x shard). Only the root casts its floating inputs (pixels): a layer's would be cast on the
-    # forward but not on the checkpoint recompute (FSDP2 skips its pre-forward in backward), so the fp32 vision
-    # rotary cos / sin would differ.
+    # FSDP2: fully_shard every decoder layer and vision block, then the root; 0 < fsdp_size < world: hybrid sharding
+    # (replicate x shard). Only the root casts its floating inputs (pixels): a layer's cast would run in the forward
+    # but not in the checkpoint recompute (FSDP2 skips its pre-forward there), so the fp32 vision rotary would differ.
     size, world = cfg.fsdp.fsdp_size, dist.get_world_size()
     shape, names = ((world // size, size), ("ddp", "fsdp")) if 0 < size < world else ((world,), ("fsdp",))
     offload = CPUOffloadPolicy() if cfg.fsdp.enable_cpu_offload and device.type == "cuda" else OffloadPolicy()
@@ -140,10 +138,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
 
 
 def apply_overrides(config, overrides, where="worker.actor.model.override_config"):
-    """Set model.override_config on a loaded transformers config, in place; -> the values set, nested as the config
-    is (vLLM's hf_overrides). A key goes to the config, else to its text config, where transformers 5 keeps a VL
-    model's language keys (AutoConfig's kwargs drop those silently); a dict merges into a sub-config or a dict
-    value. A key that neither has is a ValueError naming it: a typo would otherwise change nothing."""
+    """Set model.override_config on a loaded config in place; -> the values set, nested as the config is (vLLM's
+    hf_overrides). A key goes to the config, else to its text config (a VL model's language keys, which AutoConfig's
+    kwargs drop silently); a dict merges into a sub-config or a dict value. A key neither has raises ValueError."""
     text, changes = config.get_text_config(), {}
     text_key = next((k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None) is text), None)
     for key, value in (overrides or {}).items():
@@ -252,8 +249,7 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
         resp_cu_seqlens  [n + 1] int32    each sample's response tokens in [N]
         resp_lens, seq_lens  list[int];   mm: the multi-modal tensors, each image (video) once, in sample order
         mm_order         {"image" / "video": [k]}   the image (video) of `mm` behind each one of the row: samples
-                                          that share pixel tensors (pixels_key) share their images, encoded once
-    """
+                                          that share pixel tensors (pixels_key) share their images, encoded once"""
     names = names or [f"sample {i}" for i in range(len(samples))]
     ids, positions, resp_index, labels, seq_lens, resp_lens, mm = [], [], [], [], [], [], {}
     order, first = {"image": [], "video": []}, {}  # first: pixels_key -> the index of its first image in `mm`
@@ -312,11 +308,10 @@ def pack_samples(samples, is_vl, names=None, image_token_id=None, video_token_id
 # --- The forward: body, vision calls, response-only head -----------------------------------------------------------
 
 def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_vision):
-    """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch ->
-    (logp [N], entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities` on every
-    micro-batch, on a dummy joined as zero rows where the batch lacks that input. No host sync: the grids come as
-    host lists (vision_indices); every tensor argument must already be on the device (FSDP2's root copies the
-    rest there, blocking)."""
+    """Bound to the HF model as `packed_forward` (an FSDP2 forward method when sharded): a packed batch -> (logp [N],
+    entropy [N] or [0]) of its response tokens. Vision: one call per modality in `modalities` per micro-batch, on a
+    dummy joined as zero rows where the batch lacks that input. No host sync: grids come as host lists (vision_indices);
+    every tensor must already be on the device (else FSDP2's root copies it there, blocking)."""
     body = getattr(hf, hf.base_model_prefix)
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                   packed_cu_seqlens=batch["cu_seqlens"], packed_max_seqlen=batch["max_seqlen"])
@@ -336,10 +331,9 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
 
 
 def vision_indices(tower, grid_thw, device):
-    """The index tensors a Qwen-VL vision tower derives from grid_thw [n, 3] (positions, sequence boundaries;
-    Qwen2.5-VL's windows, Qwen3-VL's position-embedding interpolation), computed by transformers' helpers from the
-    host grid_thw and moved to `device`. Given them, the tower (transformers 5.18-5.24) reads grid_thw only to split
-    its output; without them it computes them from a device grid_thw, with about 14 host syncs a call."""
+    """The index tensors a Qwen-VL vision tower derives from grid_thw [n, 3], computed by transformers' helpers from
+    the host grid_thw and moved to `device`. Given them, the tower reads grid_thw only to split its output; without
+    them it computes them from a device grid_thw, with about 14 host syncs a call."""
     merge, cu = tower.spatial_merge_size, vision_utils.get_vision_cu_seqlens(grid_thw)
     out = {"position_ids": vision_utils.get_vision_position_ids(grid_thw, merge), "cu_seqlens": cu,
            "max_seqlen": int(cu.diff().max())}
@@ -369,8 +363,7 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
 
     Chunks of `chunk` rows, each under activation checkpointing when gradients are on, so at most one
     [chunk, vocab] fp32 block exists at a time (forward and backward). Entropy carries no gradient. No rows still
-    go through the head (one empty chunk): every rank's backward must reach every FSDP2 reduction.
-    """
+    go through the head (one empty chunk): every rank's backward must reach every FSDP2 reduction."""
     def head(h, y):
         z = lm_head(h).float() / temperature  # [c, V]
         logz = torch.logsumexp(z, dim=-1)  # [c]
@@ -579,10 +572,9 @@ def full_tensor(t, device):
 class HostCopy:
     """Device tensors parked in host memory between passes (worker.actor.offload.*), the tensor objects kept.
 
-    offload(tensors) copies each tensor's storage into one pinned host buffer (page-locked once, reused every step)
-    and frees the device storage by resizing it to 0 bytes, as FSDP2 frees its unsharded parameters, so every
-    tensor and FSDP2's views of its shards stay valid; onload() allocates the storages again and copies the bytes
-    back. Between the two the tensors must not be read."""
+    offload(tensors) copies each tensor's storage into one pinned host buffer (page-locked once, reused every step) and
+    frees the device storage by resizing it to 0 bytes (as FSDP2 frees its unsharded parameters): the tensors and
+    FSDP2's views of their shards stay valid. onload() reallocates and copies back. Do not read them in between."""
 
     def __init__(self):
         self.buffer, self.storages, self.sizes = None, [], []

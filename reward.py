@@ -132,9 +132,8 @@ class RewardFunction:
         return scores
 
     def _call(self, inputs, i=None):
-        """fn on inputs[i] (in a list of one for a batch function), or on all inputs when i is None; in this
-        process or, with a call_timeout, in the reward process under the limit. A RewardError if it raises,
-        times out or ends the process."""
+        """fn on inputs[i] (a list of one for a batch function), or on all inputs when i is None; here or, with a
+        call_timeout, in the reward process. A RewardError if it raises, times out or ends the process."""
         arg = [copy.deepcopy(x) for x in (inputs if i is None else inputs[i:i + 1])]  # each sample its own copy,
         arg = arg[0] if i is not None and self.reward_type == "sequential" else arg  # as in the reward process
         if self.call_timeout is None:
@@ -348,10 +347,10 @@ def last_boxed(text):
 
 
 def is_equivalent(answer, ground_truth, timeout=10.0):
-    """True if `answer` and `ground_truth` are equal strings (after stripping) or equal to math-verify (\\frac{1}{2},
-    0.5, 1/2 and \\dfrac12 agree; units in \\text or \\mathrm and LaTeX degree signs (^\\circ) are ignored, a bare
-    `12 cm^2` or `5.` is not "12" or "5", unlike mathruler). timeout: seconds (rounded up) per math-verify step,
-    SIGALRM so main thread only (timeout <= 0: none, it could hang); a timeout or error counts as False."""
+    """True if `answer` and `ground_truth` are equal stripped strings or equal to math-verify (\\frac{1}{2}, 0.5, 1/2
+    and \\dfrac12 agree; units in \\text or \\mathrm and ^\\circ are ignored; a bare `12 cm^2` or `5.` is not "12" or
+    "5", unlike mathruler). timeout: seconds (rounded up) per math-verify step, <= 0 for none (may hang); a timeout
+    or error is False."""
     answer, ground_truth = answer.strip(), str(ground_truth).strip()
     if not answer or answer == ground_truth:  # an empty answer is never right
         return bool(answer)

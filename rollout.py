@@ -6,10 +6,8 @@
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=..., seed=seed)  # seed: per round, rank
     engine.sleep()                                             # give the memory back to the actor
 
-Reads worker.rollout (config.py's RolloutConfig; modeling.py, beside it, reads the dtypes and override_config) and
-three attributes the loop adds to it: limit_videos (the most videos in one row of the data; trainer.py), and the
-model's trust_remote_code and override_config (workers.py). Validation passes sampling_settings(cfg,
-val_override_config).
+Reads worker.rollout (config.py's RolloutConfig) and three attributes the loop adds to it: limit_videos (the most
+videos in one row of the data; trainer.py), trust_remote_code and override_config (workers.py).
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
@@ -91,12 +89,11 @@ class HFRollout:
         self.device, self.max_response_length, self.batch_size = torch.device(device), max_response_length, batch_size
         self.ignore_eos, self.position_rows = cfg.ignore_eos, 4 if is_vl else 1  # rows: text + 3 mrope for Qwen-VL
         self.new_cache = lambda: DynamicCache(config=config.get_text_config())
-        # transformers renamed the forward's `past_key_values` to `cache` during 5.x; accept either.
+        # the forward's cache argument: `cache` in later transformers 5.x, `past_key_values` before
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
-        """len(prompts) * n responses, grouped by prompt. The log-probs are of the distribution sampled from: keep
-        top_p=1, top_k=-1 for training, as the actor's full softmax does not represent a truncated one."""
+        """For training keep top_p=1, top_k=-1: the actor's full softmax does not match truncated log-probs."""
         max_tokens = self.max_response_length if max_tokens is None else max_tokens
         _check_sampling(prompts, n, temperature, top_p, max_tokens, key="prompt_ids")
         self.wake_up()
@@ -157,8 +154,7 @@ class HFRollout:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
-        """Copy (name, tensor) pairs into the model in place; names are the HF model's own state_dict names.
-        Unknown names or wrong shapes raise, naming them."""
+        """Copy (name, tensor) pairs into the model in place; names are the HF model's own state_dict names."""
         self.wake_up()  # load straight into the device copy
         params, unknown = self.model.state_dict(), []  # params: name -> tensor sharing storage with the model
         for name, tensor in named_tensors:
@@ -218,16 +214,14 @@ class VLLMRollout:
     """vLLM >= 0.11 in this process (SPMD, external_launcher; one engine per TP group, colocated with the actor),
     weights synced from the actor (load_format="dummy": random until then); checked on vLLM 0.24.0.
 
-    Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation. A step runs
-    load_weights() [wakes the weights only] -> wake_up() [KV cache] -> generate() -> sleep().
-    Tensor parallel (SPMD): every rank of a TP group must feed vLLM the same requests, so generate()
-    all-gathers the group's prompts, generates once with the first rank's seed, and returns this rank's share.
-    Needs the trainer's workers' torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    Memory: asleep (level 1: weights offloaded, KV cache freed) outside generation; a step runs load_weights()
+    [weights only] -> wake_up() [KV cache] -> generate() -> sleep(). Every rank of a TP group must feed vLLM the
+    same requests: generate() all-gathers the group's prompts, generates once with the first rank's seed and returns
+    this rank's share. Needs the workers' torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=None):
         self.cfg, self.max_response_length = cfg, max_response_length
-        remote = getattr(cfg, "trust_remote_code", False)
         config, overrides, self.eos_ids, self.banned_ids, _ = _load_config(cfg, model_path, tokenizer_path)
         max_model_len, text = cfg.max_model_len or max_prompt_length + max_response_length, config.get_text_config()
         context = getattr(text, "max_position_embeddings", 0)  # with rope scaling vLLM allows more: its own check
@@ -256,8 +250,8 @@ class VLLMRollout:
             enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
             seed=cfg.seed, disable_log_stats=cfg.disable_log_stats, disable_custom_all_reduce=True,
-            logprobs_mode="processed_logprobs", trust_remote_code=remote,  # log-probs after bias, temperature, top-k/p
-            hf_overrides=overrides, **extra)
+            logprobs_mode="processed_logprobs",  # log-probs after bias, temperature, top-k/p
+            trust_remote_code=getattr(cfg, "trust_remote_code", False), hf_overrides=overrides, **extra)
         self.llm.sleep(level=1)
         self.asleep, self.synced = {"weights", "kv_cache"}, False
 
@@ -307,9 +301,8 @@ class VLLMRollout:
         return [p for part, _ in gathered for p in part], offset, gathered[0][1]
 
     def load_weights(self, named_tensors):
-        """Stream (HF name, full tensor) pairs into vLLM's own loader (it slices for TP, fuses qkv / gate_up and
-        maps transformers' names of Qwen2/2.5/3-VL and text LMs), waking only the weights so the KV cache is not
-        allocated beside the actor's gathers."""
+        """Stream (HF name, full tensor) pairs into vLLM's own loader (it slices for TP, fuses qkv / gate_up, maps HF
+        names of Qwen2/2.5/3-VL and text LMs), waking only the weights: no KV cache beside the actor's gathers."""
         self.wake_up(tags={"weights"})
         _vllm_internals(self.llm)["model"].load_weights(named_tensors)
         self.synced = True

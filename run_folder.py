@@ -1,8 +1,7 @@
-"""run_folder.py: the files a run keeps in trainer.save_checkpoint_path. Logger writes experiment_log.jsonl (a row
-of metrics per step), generations.log, metrics.png and the tracking backends, cut back on resume (Logger.rewind).
-find_checkpoint picks the global_step_N folder a run resumes from, checked complete (checkpoint_problem) before any
-worker starts; set_aside_later and remove_old_checkpoints move or remove others. trainer.py writes the checkpoints
-(Run.save_checkpoint: checkpoint_tracker.json last) and experiment_config.json. Imports no stage."""
+"""run_folder.py: the files a run keeps in trainer.save_checkpoint_path; imports no stage. Logger writes
+experiment_log.jsonl (a row of metrics per step), generations.log, metrics.png and the tracking backends.
+find_checkpoint picks the complete global_step_N folder a run resumes from; set_aside_later and remove_old_checkpoints
+move or remove others. Run.save_checkpoint (trainer.py) writes the checkpoints, checkpoint_tracker.json last."""
 
 import functools
 import json
@@ -83,11 +82,10 @@ class Logger:
             os.fsync(f.fileno())
 
     def rewind(self, step, generations=None):
-        """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: a fresh
-        start; generations.log to `generations` if given: a resume that validates first logs step's generations
-        again), saying what goes: a tail (rows are in step order) from the first row of a later step or cut short.
-        By step, not by byte size: a resumed run's validation rewrites the checkpoint's row (amend) to a new size.
-        TensorBoard hides its earlier events of later steps (SummaryWriter's purge_step)."""
+        """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: fresh start;
+        generations.log to `generations` if given: a resume that validates first logs step's generations again) from
+        the first row of a later step or cut short (rows are in step order), saying so. By step, not byte size: amend
+        rewrites the checkpoint's row to a new size. TensorBoard hides later steps' earlier events (its purge_step)."""
         self.purge_step = step + 1
         for f, last in ((self.jsonl, step), (self.generations, step if generations is None else generations)):
             lines = open(f.name, "rb").readlines()  # rows are {"step": N, ...}\n; no match: a row cut short
@@ -152,10 +150,9 @@ class CheckpointError(RuntimeError):
 
 
 def find_checkpoint(root, load_path, find_last, val_only=False):
-    """The global_step_N folder a run resumes from, or None for a fresh start (no checkpoint; or not `find_last`: the
-    earlier run's files then go aside, unless `val_only` validates the base model: then nothing moves); no Ray. An
-    explicit `load_path` must be complete (one later in root: a warning); else the tracker's or, if incomplete or
-    the tracker missing or unreadable, the newest complete one, said so."""
+    """The global_step_N folder to resume from (no Ray), or None for a fresh start (no checkpoint, or not `find_last`:
+    the earlier run's files then go aside, unless `val_only`). An explicit `load_path` must be complete (a later one in
+    root: a warning); else the tracker's, or the newest complete one if that is incomplete or the tracker unreadable."""
     if load_path is not None:
         name = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
         if not name or not os.path.isdir(load_path):
@@ -165,9 +162,8 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
         if later := [s for s in saved_steps(root) if s > int(name[1])
                      and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
             print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"
-                  f"checkpoint_path={load_path}: unless trainer.val_only, the steps after {name[1]} run again (their "
-                  f"checkpoints move to earlier_<time>/, their log rows go); unset trainer.load_checkpoint_path to "
-                  f"resume from the later one", flush=True)
+                  f"checkpoint_path={load_path}: unless trainer.val_only, steps after {name[1]} run again (checkpoints "
+                  f"moved aside, log rows cut); unset trainer.load_checkpoint_path to resume from it", flush=True)
         return load_path
     tracker, steps, problems = os.path.join(root, TRACKER), saved_steps(root)[::-1], []
     if not steps and not os.path.exists(tracker):
@@ -199,9 +195,8 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
 
 def set_aside_later(root, path, step, best):
     """A resume from `path` (step `step`): root's complete checkpoints of later steps (they run again) go to
-    earlier_<time>/ and the tracker names `step` (or goes with them: `path` is another run's), so that the folders,
-    the tracker and the logs (Logger.rewind) agree, also when this run stops before it saves again. An incomplete
-    later folder (a save cut short) stays, to be replaced when its step is saved."""
+    earlier_<time>/ and the tracker names `step` (or goes with them: `path` is another run's), so that folders, tracker
+    and logs agree even if this run stops before saving. A later incomplete folder stays until its step is saved."""
     if later := [f"global_step_{s}" for s in saved_steps(root) if s > step
                  and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
         inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
@@ -237,8 +232,8 @@ def checkpoint_problem(path):
         if problem := _load(path, name, lambda p: torch.load(p, weights_only=True))[1]:
             return problem
     for name in ("actor/model", "actor/optim"):
-        metadata, problem = _load(path, f"{name}/.metadata", lambda p: FileSystemReader(os.path.dirname(p))
-                                  .read_metadata())  # named: "actor/optim is missing" misled when only it was
+        metadata, problem = _load(path, f"{name}/.metadata",
+                                  lambda p: FileSystemReader(os.path.dirname(p)).read_metadata())
         if problem:
             return problem
         for info in metadata.storage_data.values():

@@ -1,6 +1,5 @@
 """workers.py: the Ray plumbing under trainer.py, which a first reading can skip. One Ray actor per GPU (per process
-on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the rollout engine, colocated. The driver's
-WorkerGroup splits lists of plain dicts over the workers, calls every worker and joins the results."""
+on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the rollout engine, colocated."""
 
 import copy
 import dataclasses
@@ -106,7 +105,7 @@ class Worker:
 
 
 class WorkerGroup:
-    """The driver's handle on the workers: splits lists, calls every worker, joins the results."""
+    """The driver's handle on the workers: splits lists of plain dicts over them, calls each, joins the results."""
 
     def __init__(self, cfg, training_steps):
         t = cfg.trainer
