@@ -1,7 +1,8 @@
 """run_folder.py's pieces alone: the log's amended row, the tracker and the checkpoints a resume sets aside, what
 makes a checkpoint incomplete, the generations a resume that validates first cuts, the KL coefficient a resume
-restores, and val_only leaving the run folder as it is. (The whole resume path, with Run and fake workers, is in
-tests/test_checkpoint.py.)"""
+restores, val_only leaving the run folder as it is, rows cut short, the later-checkpoint warning, a tracker naming a
+missing step, what a fresh start moves aside and what removing a checkpoint keeps. (The whole resume path, with Run
+and fake workers, is in tests/test_checkpoint.py.)"""
 
 import json
 import os
@@ -98,3 +99,62 @@ def test_validating_the_base_model_in_a_runs_folder_moves_nothing(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
     assert [(r["step"], r.get("val/reward_score")) for r in rows] == [(1, None), (2, None), (0, 0.5)]
     assert fake_run(tmp_path, make_cfg()).step == 2
+
+
+def test_a_row_cut_short_is_dropped_by_a_resume_and_skipped_by_an_amend(tmp_path):
+    """A run killed while writing leaves a last row without its newline: a resume cuts it off (appends would
+    continue inside it), and an amend of step 1 leaves the file readable row by row."""
+    log = tmp_path / "experiment_log.jsonl"
+    log.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a"')
+    logger = run_folder.Logger(str(tmp_path), ["file"], make_cfg())
+    logger.log({"b": 2.0}, 1, amend=True)
+    logger.rewind(2)
+    logger.log({"a": 3.0}, 2)
+    logger.close()
+    assert [json.loads(line) for line in open(log)] == [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 3.0}]
+
+
+def test_resuming_the_newest_checkpoint_by_path_warns_of_nothing_later(tmp_path, monkeypatch, capsys):
+    """load_checkpoint_path naming the newest of steps 1 and 2: no warning of a later checkpoint; naming step 1:
+    the warning names step 2."""
+    for step in (1, 2):
+        os.makedirs(tmp_path / f"global_step_{step}")
+    monkeypatch.setattr(run_folder, "checkpoint_problem", lambda path: None)
+    run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_2"), find_last=True)
+    assert "later" not in capsys.readouterr().out
+    run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_1"), find_last=True)
+    assert "holds global_step_2, a complete checkpoint later" in capsys.readouterr().out
+
+
+def test_a_tracker_naming_a_missing_step_is_said_and_the_newest_complete_one_taken(tmp_path, monkeypatch, capsys):
+    for step in (1, 2):
+        os.makedirs(tmp_path / f"global_step_{step}")
+    (tmp_path / run_folder.TRACKER).write_text(json.dumps({"last_global_step": 5}))
+    monkeypatch.setattr(run_folder, "checkpoint_problem", lambda path: None)
+    assert run_folder.find_checkpoint(str(tmp_path), None, find_last=True) == str(tmp_path / "global_step_2")
+    assert "global_step_5 (named by the tracker) does not exist" in capsys.readouterr().out
+
+
+def test_a_fresh_start_moves_the_earlier_runs_config_aside_with_its_logs(tmp_path):
+    """find_last_checkpoint=false over an earlier run: its config, logs and checkpoints go to one earlier_<time>/
+    (the new run writes its own experiment_config.json; the old one is kept there)."""
+    for name in ("experiment_config.json", "experiment_log.jsonl", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    os.makedirs(tmp_path / "global_step_3")
+    assert run_folder.find_checkpoint(str(tmp_path), None, find_last=False) is None
+    (aside,) = [name for name in os.listdir(tmp_path) if name.startswith("earlier_")]
+    assert sorted(os.listdir(tmp_path / aside)) == ["experiment_config.json", "experiment_log.jsonl", "global_step_3"]
+    assert (tmp_path / "notes.txt").exists()  # not a run's file: stays
+
+
+def test_removing_a_checkpoint_takes_its_huggingface_copy_and_keeps_a_merged_model(tmp_path):
+    """remove_checkpoint removes the files a save wrote, actor/huggingface included; merge.py's actor/merged stays."""
+    for folder in ("actor/model", "actor/huggingface", "actor/merged"):
+        os.makedirs(tmp_path / "global_step_1" / folder)
+    (tmp_path / "global_step_1" / "trainer_state.json").write_text("{}")
+    run_folder.remove_checkpoint(str(tmp_path / "global_step_1"))
+    assert os.listdir(tmp_path / "global_step_1") == ["actor"]
+    assert os.listdir(tmp_path / "global_step_1" / "actor") == ["merged"]
+    os.rmdir(tmp_path / "global_step_1" / "actor" / "merged")
+    run_folder.remove_checkpoint(str(tmp_path / "global_step_1"))  # nothing else left: the folder goes
+    assert not (tmp_path / "global_step_1").exists()
