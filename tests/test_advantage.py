@@ -442,3 +442,45 @@ def test_grpo_std_is_two_pass_far_from_zero_and_scores_carry_no_graph():
     assert torch.allclose(got, torch.tensor([-1.161895, -0.387298, 0.387298, 1.161895]), atol=1e-5, rtol=0)
     scores = torch.tensor([1.0, 0.0, 0.5, 0.25], requires_grad=True)
     assert not compute_advantages("grpo", scores, ["a", "a", "b", "b"]).requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Edges found by mutation testing: near ties, malformed shapes and lengths, early errors.
+
+def test_grpo_passk_a_near_tie_at_the_top_is_not_a_tie():
+    """[1.0, 0.9995, 0.0]: only an exact tie at the top zeroes the group; here the best response gets
+    (1.0 - 0.9995) / (std + 1e-6), std = sqrt(((1 - m)^2 + (0.9995 - m)^2 + m^2) / 2), m = 1.9995 / 3."""
+    m = 1.9995 / 3
+    std = math.sqrt(((1.0 - m) ** 2 + (0.9995 - m) ** 2 + m ** 2) / 2)
+    got = advantage.grpo_passk([1.0, 0.9995, 0.0], ["q"] * 3)
+    assert torch.allclose(got, torch.tensor([0.0005 / (std + 1e-6), 0.0, 0.0]), atol=1e-7, rtol=0)
+    assert got[0].item() > 1e-4
+
+
+def test_scores_of_shape_n_by_1_are_an_error_not_a_broadcast():
+    with pytest.raises(ValueError, match=r"scores have shape \(4, 1\) but there are 4 uids"):
+        compute_advantages("grpo", torch.tensor([[1.0], [0.0], [1.0], [0.5]]), ["a", "a", "b", "b"])
+    with pytest.raises(ValueError, match=r"must both be \[N\]"):
+        advantage.kl_in_reward(torch.zeros(2, 1), torch.zeros(2, 1), 0.1)
+
+
+def test_remax_names_a_non_finite_baseline_as_a_baseline():
+    with pytest.raises(ValueError, match=r"baseline nan at position 1 \(uid 'a'\) is not finite"):
+        compute_advantages("remax", [1.0, 0.0], ["a", "a"], baselines=[0.5, float("nan")])
+
+
+def test_token_rewards_check_every_length():
+    """An empty response, a token_kl longer than its response and one token_kl too many are errors naming what is
+    wrong (an IndexError, a silently truncated or ignored KL otherwise)."""
+    with pytest.raises(ValueError, match="response 1 has length 0; every response needs at least one token"):
+        advantage.token_rewards([1.0, 0.0], [2, 0])
+    with pytest.raises(ValueError, match="response 1: token_kl has 4 values for 3 response tokens"):
+        compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "b"], lengths=[2, 3],
+                           token_kl=[torch.zeros(2), torch.zeros(4)], kl_coef=0.1)
+    with pytest.raises(ValueError, match="2 scores, 2 lengths and 3 token_kl: one of each per response"):
+        advantage.token_rewards([1.0, 0.0], [1, 1], [torch.zeros(1)] * 3, beta=0.1)
+
+
+def test_adaptive_kl_controller_refuses_a_zero_horizon_when_built():
+    with pytest.raises(ValueError, match=re.escape("target_kl=6.0 and horizon=0 must be > 0")):
+        advantage.AdaptiveKLController(0.1, 6.0, 0)

@@ -555,3 +555,75 @@ def test_one_log_prob_for_a_longer_response_is_an_error(toy, samples):
     bad[1]["old_logprobs"] = torch.tensor([-1.0])
     with pytest.raises(ValueError, match="sample 1: old_logprobs has 1 values for"):
         make_actor(make_cfg(toy["vl_model"])).update(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Edges found by mutation testing
+# ----------------------------------------------------------------------------------------------
+
+def test_rollout_logp_of_another_length_is_an_error_not_a_broadcast():
+    """rollout_logp is checked as the other per-token tensors: one value for two tokens would broadcast into the
+    TIS weights and rollout_logp_abs_diff without a word."""
+    for rollout in ([-1.0], [-1.0, -1.0, -1.0]):
+        with pytest.raises(ValueError, match="shapes"):
+            run("default", [-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0], [0, 2], rollout_logp=rollout)
+        with pytest.raises(ValueError, match="shapes"):
+            run("default", [-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0], [0, 2], rollout_logp=rollout, tis_cap=2.0)
+
+
+def test_a_zero_advantage_token_is_never_counted_as_clipped():
+    """A = 0 (every token of a flat GRPO group) has no loss to clip: r = 1.5 and r = 4 count in neither
+    pg_clipfrac_higher (A > 0 only) nor pg_clipfrac_lower (A < 0 only)."""
+    loss, grad, m = run("default", [math.log(1.5), math.log(4.0)], [0.0, 0.0], [0.0, 0.0], [0, 1, 2])
+    assert loss == [0.0, 0.0] and grad == [0.0, 0.0]
+    assert m["pg_clipfrac_higher"] == [0.0, 0.0] and m["pg_clipfrac_lower"] == [0.0, 0.0]
+
+
+def test_cu_seqlens_must_start_at_zero():
+    """[1, 2] ends at the token count 2 but leaves token 0 outside every sequence: an error, not a silent loss."""
+    with pytest.raises(ValueError, match=r"cu_seqlens must run from 0 to the token count 2, got \[1, 2\]"):
+        run("default", [0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1, 2])
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
+        aggregate_loss(torch.zeros(2), torch.tensor([1, 2]), "seq")
+
+
+def test_per_token_inputs_of_shape_tokens_by_1_are_not_flat():
+    """[tokens, 1] tensors of one shape would pass a check of equal shapes alone and give a [tokens, 1] loss."""
+    x = torch.zeros(2, 1)
+    with pytest.raises(ValueError, match="expected flat per-token tensors"):
+        policy_loss(x, x, x, torch.tensor([0, 2]))
+
+
+def test_sapo_temperatures_reach_the_update(toy, samples):
+    """loss_type sapo with tau_positive 2, tau_negative 4, on policy (r = 1, sigmoid(0) = 1/2): each token's loss is
+    -A (4 / tau) / 2, i.e. -A for A > 0 and -A / 2 for A < 0, so actor/pg_loss = sum_i l_i |o_i| / sum_i |o_i|
+    (the defaults 1 and 1.05 would give -2A and -1.905A)."""
+    metrics, _, fresh = update_on_policy(toy, samples, {"loss_type": "sapo", "tau_positive": 2.0,
+                                                        "tau_negative": 4.0})
+    lengths = [len(s["response_ids"]) for s in fresh]
+    per_token = [-s["advantage"] * (4.0 / (2.0 if s["advantage"] >= 0 else 4.0)) / 2 for s in fresh]
+    expected = sum(l * n for l, n in zip(per_token, lengths)) / sum(lengths)
+    assert math.isclose(metrics["actor/pg_loss"], expected, rel_tol=1e-5), (metrics["actor/pg_loss"], expected)
+
+
+def test_a_second_epoch_at_lr_0_changes_no_metric(toy, samples):
+    """lr 0: the second PPO epoch repeats the first exactly, so every actor/* metric of ppo_epochs=2 equals that of
+    one epoch: losses averaged over the optimizer steps, token means (entropy, ppo_kl, ...) over one epoch's tokens,
+    actor/tokens per epoch, grad_norm the mean of equal norms."""
+    kl = dict(use_kl_loss=True, kl_coef=0.1)
+    one, _, _ = update_on_policy(toy, samples, {"optim.lr": 0.0}, **kl)
+    two, _, _ = update_on_policy(toy, samples, {"optim.lr": 0.0, "ppo_epochs": 2}, **kl)
+    assert one.keys() == two.keys() and one["actor/entropy"] > 0.0
+    for key in one:
+        assert math.isclose(one[key], two[key], rel_tol=1e-5, abs_tol=1e-9), (key, one[key], two[key])
+
+
+def test_seq_sum_norm_without_max_response_length_is_an_error(toy, samples):
+    """Dr. GRPO's constant is max_response_length: an actor built without one refuses seq_sum_norm (no silent 1)."""
+    import actor as actor_module
+    from test_actor_update import MAX_PROMPT, make_cfg
+
+    actor = actor_module.Actor(make_cfg(toy["vl_model"], loss_avg_mode="seq_sum_norm"), role="actor", device="cpu",
+                               max_prompt_length=MAX_PROMPT, max_response_length=None, n_per_prompt=2)
+    with pytest.raises(ValueError, match="seq_sum_norm.*pass seq_len_norm"):
+        actor.update([dict(s) for s in samples])
