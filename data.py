@@ -373,10 +373,14 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
 
     `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
     image_dir). Made RGB as a viewer shows it: transparency over white (as transformers and vLLM do), 16-bit grey
-    v -> v // 257 (PIL would clip at 255), as is a 32-bit "I" image with values over 255 (PIL opens 16-bit PGM so).
+    v -> v // 257 (PIL would clip at 255), as is a 32-bit "I" image with values over 255 (PIL opens 16-bit PGM so);
+    a 32-bit float image in [0, 1] (torchvision's and matplotlib's range) x 255, any other taken as 0..255 levels.
     Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so each
     bound holds (an upscale may pass max_pixels when the two are closer than a side's rounding); sizes in range kept."""
     image = _open_image(image, image_dir)
+    if image.mode == "F":  # 32-bit float: PIL's convert clips it to 0..255, so [0, 1] images came out black
+        values = numpy.nan_to_num(numpy.asarray(image))
+        image = Image.fromarray((values * (255 if values.max() <= 1 else 1)).round().clip(0, 255).astype(numpy.uint8))
     if image.mode.startswith("I;16") or image.mode == "I" and image.getextrema()[1] > 255:
         image = Image.fromarray((numpy.asarray(image).clip(0, 65535) // 257).astype(numpy.uint8))
     if image.has_transparency_data:  # RGBA, LA, PA, or a palette's / RGB's transparent colour

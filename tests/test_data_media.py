@@ -175,6 +175,17 @@ def test_16_bit_grey_is_divided_by_257_rounding_down():
                                                                                                          (200,) * 3]
 
 
+def test_a_float_image_in_0_1_is_scaled_and_any_other_taken_as_levels():
+    # PIL's own convert clips mode F to 0..255, so a [0, 1] image came out black. By hand: 0.2 * 255 = 51,
+    # 0.5 * 255 = 127.5 -> 128, NaN -> 0; an image beyond 1 keeps its levels, 300 clipped to 255.
+    unit = Image.fromarray(numpy.array([[0.2, 0.5, 1.0, float("nan")]] * 4, dtype=numpy.float32))
+    levels = Image.fromarray(numpy.array([[0.5, 100.0, 300.0, -4.0]] * 4, dtype=numpy.float32))
+    assert unit.mode == levels.mode == "F" and Image.open(io.BytesIO(encoded(unit, "TIFF"))).mode == "F"
+    got = [[out.getpixel((x, 0))[0] for x in range(4)] for out in
+           (data.process_image(encoded(unit, "TIFF"), 1, 100000), data.process_image(levels, 1, 100000))]
+    assert got == [[51, 128, 255, 0], [0, 100, 255, 0]]
+
+
 # ---------------------------------------------------------------------------------------------- loader
 
 def test_loader_order_is_the_documented_permutation_and_resumes_at_the_saved_batch(tmp_path, toy):
