@@ -34,6 +34,7 @@ Reads cfg.data (config.py's DataConfig; keys documented in configs/geo3k.yaml). 
 templates) are tried from the working directory, then from this file's folder.
 """
 
+import atexit
 import bisect
 import collections.abc
 import concurrent.futures
@@ -65,6 +66,7 @@ FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv
 SPLIT_WORDS = ("train", "test", "validation", "val", "dev", "eval")  # a folder's files by the words in their paths
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
 _MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
+_EXITING = threading.Event()  # set at exit: a prefetch stops after its row (_stop_prefetching)
 
 
 class DataError(ValueError):
@@ -116,7 +118,7 @@ class PromptLoader(collections.abc.Iterator):
         batch = future.result() if built == position else self._make_batch(*position)  # a build's error raises here
         self.batch = (self.batch + 1) % self.batches_per_epoch
         self.current_epoch += self.batch == 0
-        if self.prefetch:  # the next batch, built while this one trains; a daemon thread: exit never waits for it
+        if self.prefetch:  # the next batch, built while this one trains; a daemon thread: exit waits for a row at most
             self.pending = ((self.current_epoch, self.batch), concurrent.futures.Future())
             threading.Thread(target=self._build_into, args=self.pending, name="prefetch", daemon=True).start()
         return batch
@@ -148,9 +150,25 @@ class PromptLoader(collections.abc.Iterator):
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = [self.indices[k] for k in torch.randperm(len(order), generator=generator).tolist()]
+        batch = []
         with self.lock:  # one build at a time: the background thread's and a caller's (epoch(), a resumed loader)
-            return [{**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"}
-                    for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+            for i in order[b * self.batch_size:(b + 1) * self.batch_size]:
+                if _EXITING.is_set():
+                    raise RuntimeError("the interpreter is exiting")
+                batch.append({**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"})
+        return batch
+
+
+def _stop_prefetching():
+    """At exit, before daemon threads are stopped: a prefetch ends after the row it builds (or within 5 s). A daemon
+    thread inside torch when the interpreter ends aborts it ('terminate called without an active exception')."""
+    _EXITING.set()
+    for thread in threading.enumerate():
+        if thread.name == "prefetch":
+            thread.join(timeout=5)
+
+
+atexit.register(_stop_prefetching)
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
