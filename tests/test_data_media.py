@@ -170,9 +170,9 @@ def test_16_bit_grey_is_divided_by_257_rounding_down():
     out = data.process_image(encoded(grey, "PPM"), 1, 100000)  # PIL writes a 16-bit grey PPM as PGM (P5, max 65535)
     assert Image.open(io.BytesIO(encoded(grey, "PPM"))).mode == "I"
     assert [out.getpixel((x, 0)) for x in range(2)] == [(0,) * 3, (254,) * 3]
-    low = Image.fromarray(numpy.array([[3, 200]] * 4, dtype=numpy.int32))
+    low = Image.fromarray(numpy.array([[3, 255]] * 4, dtype=numpy.int32))  # 255 is the top of 8 bits, not of 16
     assert low.mode == "I" and [data.process_image(low, 1, 100000).getpixel((x, 0)) for x in range(2)] == [(3,) * 3,
-                                                                                                         (200,) * 3]
+                                                                                                         (255,) * 3]
 
 
 def test_a_float_image_in_0_1_is_scaled_and_any_other_taken_as_levels():

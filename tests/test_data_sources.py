@@ -109,6 +109,8 @@ def test_rows_over_several_files_name_each_files_own_row_and_count_items_of_non_
     assert [rows.where(i) for i in (2, 3, 4)] == ["a.parquet row 2", "b.parquet row 0", "b.parquet row 1"]
     nulls = data.Rows("s", [("a", datasets.Dataset.from_dict({"videos": [None, None], "images": [None, "p"]}))])
     assert (nulls.most_items("videos"), nulls.most_items("images")) == (0, 1)
+    large = pyarrow.table({"images": pyarrow.array([["a", "b", "c"], ["d"]], pyarrow.large_list(pyarrow.string()))})
+    assert data.Rows("s", [("a", datasets.Dataset(large))]).most_items("images") == 3  # a large_list counts its items
 
 
 def test_settings_that_would_go_wrong_quietly_are_errors(toy, tmp_path):
@@ -120,9 +122,11 @@ def test_settings_that_would_go_wrong_quietly_are_errors(toy, tmp_path):
     pd.DataFrame({"problem": ["Q?"], "solution": ["4"]}).to_parquet(tmp_path / "t.parquet")
     with pytest.raises(data.DataError, match=r"no column \['answer'\]"):
         data.load_rows(str(tmp_path / "t.parquet"), config())
-    with pytest.raises(data.DataError, match="more than max_prompt_length=8"):
-        builder(toy["vl_model"], config(max_prompt_length=8)).build({"problem": "What is two plus two?",
-                                                                    "answer": "4"}, 0, "r0")
+    question = {"problem": "What is two plus two?", "answer": "4"}
+    n = len(builder(toy["vl_model"], config()).build(question, 0, "r0")["prompt_ids"])  # one token over is refused
+    with pytest.raises(data.DataError, match=f"is {n} tokens with images and videos expanded, more than "
+                                             f"max_prompt_length={n - 1}"):
+        builder(toy["vl_model"], config(max_prompt_length=n - 1)).build(question, 0, "r0")
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     processor, tokenizer = data.load_processor(toy["vl_model"], config(override_chat_template=str(template)))
