@@ -194,7 +194,7 @@ def test_r1v_degenerate_long_response_is_fast():
 @pytest.mark.parametrize("raw,normalized", [
     ("1,000", "1000"), ("\\boxed{5}", "5"), ("$\\frac12$", "\\frac{1}{2}"), ("x = 7", "7"), ("5 degrees", "5"),
     ("\\text{(B)}", "(B)"), ("\\sqrt2", "\\sqrt{2}"), ("10^{\\circ}", "10"), ("an apple", "apple"), ("12 cm", "12"),
-    ("The answer is $42$ dollars", "42"), ("(1, 2)", "(1,2)"), ("1,2", "12"),
+    ("The answer is $42$ dollars", "42"), ("(1, 2)", "(1,2)"), ("1,2", "12"), ("$1$ or $2$", "1"),
 ])
 def test_minerva_normalize(raw, normalized):
     assert reward.minerva_normalize(raw) == normalized

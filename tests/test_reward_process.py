@@ -216,3 +216,15 @@ def test_a_collected_reward_function_stops_its_process():
     del fn
     gc.collect()
     assert ends_within(pid, 5.0)
+
+
+def test_a_reward_process_killed_between_calls_is_started_again():
+    """Killed while idle (the OOM killer, an operator), the reward process is replaced at the next call; a send to
+    the dead one read as an input that cannot be pickled."""
+    fn = load_reward_function("math", call_timeout=30)
+    fn([sample("\\boxed{1}", "1")])
+    process = fn._worker[0]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
+    assert fn([sample("\\boxed{2}", "2")])[0]["accuracy"] == 1.0 and fn._worker[0].pid != process.pid
+    fn.close()
