@@ -409,7 +409,8 @@ def _as_zero_rows(output):
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query [1, Hq, T, D], key / value [1, Hkv, T, D] -> ([1, T, Hq, D], None).
     Boundaries: the vision tower's per-window / per-image `cu_seq_lens_q`, else packed_forward's `packed_cu_seqlens`
-    (forward kwargs), else one sequence. Causal: `is_causal` when given, else module.is_causal."""
+    (forward kwargs), else one sequence. Causal: `is_causal` when given, else module.is_causal. A layer's
+    sliding window is refused once a sequence is longer than it."""
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("packed_attention: expects one packed row and no attention mask (it is the padding-free "
                          "path of actor.py); use attn_implementation='sdpa' for padded batches")
@@ -418,6 +419,10 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
         cu, max_len = kwargs.get("packed_cu_seqlens"), kwargs.get("packed_max_seqlen")
     if cu is None:
         cu, max_len = torch.tensor([0, query.shape[2]], device=query.device), query.shape[2]
+    if (window := kwargs.get("sliding_window")) and int(max_len) > window:  # within it, the window changes nothing
+        raise ValueError(f"packed_attention: a sequence of {int(max_len)} tokens is longer than this layer's sliding "
+                         f"window ({window} tokens), which it does not apply; lower data.max_prompt_length + "
+                         "max_response_length, or set the model's use_sliding_window to false")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

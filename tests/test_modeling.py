@@ -186,6 +186,18 @@ def test_packed_attention_boundaries_causality_and_scale(qkv):
                                _reference_attention(q, k, v, [0, 3, 9], False, default), rtol=1e-5, atol=1e-6)
 
 
+
+def test_a_sliding_window_is_refused_only_for_a_longer_sequence(qkv):
+    """A layer with a sliding window (transformers passes sliding_window) attends as a full layer while every sequence
+    fits in the window; a longer one (6 tokens over a window of 5) is an error, not full attention without a word."""
+    q, k, v = (x[0].transpose(0, 1) for x in qkv)
+    packed, module = dict(packed_cu_seqlens=torch.tensor([0, 3, 9]), packed_max_seqlen=6), SimpleNamespace()
+    torch.testing.assert_close(_attend(qkv, module, sliding_window=6, **packed),
+                               _reference_attention(q, k, v, [0, 3, 9], True, 8 ** -0.5), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"a sequence of 6 tokens is longer than this layer's sliding window \(5"):
+        _attend(qkv, module, sliding_window=5, **packed)
+
+
 # ----------------------------------------------------------------------------------------------
 # Vision output helpers
 # ----------------------------------------------------------------------------------------------
