@@ -251,6 +251,35 @@ def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_folder_named_like_a_built_in_reward_is_not_taken_for_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "math").mkdir()
+    cfg = load_config(None, ["worker.reward.reward_function=math"])
+    trainer._ensure_toy_world(cfg)
+    assert cfg.worker.reward.reward_function == "math"
+
+
+def test_an_interrupt_exits_130_saying_the_step_and_whether_a_checkpoint_is_there(tmp_path, monkeypatch, capsys):
+    """Ctrl-C: exit code 130 (128 + SIGINT, what a shell and a scheduler read as interrupted), and the run closed."""
+    closed = []
+
+    class Interrupted:
+        def __init__(self, cfg):
+            self.step, self.ckpt_root = 4, str(tmp_path)
+
+        def fit(self):
+            raise KeyboardInterrupt
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(trainer, "Run", Interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main([])
+    assert stopped.value.code == 130 and closed == [True]
+    assert f"interrupted at step 4; no checkpoint in {tmp_path} yet" in capsys.readouterr().out
+
+
 def test_text_only_toy_config_resolves():
     cfg = load_config(os.path.join(ROOT, "configs", "toy_text.yaml"))
     assert cfg.worker.actor.model.model_path.endswith("text_warm") and cfg.data.train_files.endswith("@train")

@@ -71,11 +71,11 @@ def test_val_generations_to_log_rows_and_none_when_not_positive(count, logged):
 
 
 def test_val_reward_score_is_the_overall_mean_with_several_reward_keys():
-    """Scores 1, 0, 0, 1 (overall) and format 1, 1, 1, 0 over the two val batches: val/reward_score is the overall
-    mean 2 / 4, each key has its val/<key>_reward mean (format 3 / 4), the last key's mean is no stand-in."""
+    """Scores 1, 0, 0, 1 (overall) and accuracy 1, 1, 1, 0 over the two val batches: val/reward_score is the overall
+    mean 2 / 4, each key has its val/<key>_reward mean (accuracy 3 / 4), the last key's mean is no stand-in."""
     run = val_run("trainer.val_generations_to_log=0")[0]
-    run.score = lambda prompts, responses: [{"format": float(r["name"] != "d"), "overall": float(r["name"] in "ad")}
+    run.score = lambda prompts, responses: [{"accuracy": float(r["name"] != "d"), "overall": float(r["name"] in "ad")}
                                             for r in responses]  # overall not first: it is still the score
     metrics = run.validate()
     assert {k: v for k, v in metrics.items() if k.startswith("val/")} == {
-        "val/overall_reward": 0.5, "val/format_reward": 0.75, "val/reward_score": 0.5}
+        "val/overall_reward": 0.5, "val/accuracy_reward": 0.75, "val/reward_score": 0.5}
