@@ -397,12 +397,13 @@ def test_a_mini_batch_of_empty_responses_gives_zero_losses_not_nan(toy, samples)
 
 def test_pack_samples_rejects_image_samples_it_would_pack_wrong():
     """An image sample of a VL model needs its mrope positions (3 or 4 rows): with none, or one row, its image
-    tokens would silently get text positions 0..P-1. A text model given images says so (no TypeError)."""
+    tokens would silently get text positions 0..P-1; rows of another length than the prompt are refused too. A text
+    model given images says so (no TypeError)."""
     from modeling import pack_samples
 
     image = {"pixel_values": torch.zeros(16, 8), "image_grid_thw": torch.tensor([[1, 4, 4]])}  # 4 tokens, merge 2
     sample = {"prompt_ids": [1, 9, 9, 9, 9, 2], "response_ids": [3], "multi_modal_inputs": image}
-    for positions in (None, torch.arange(6)[None]):
+    for positions in (None, torch.arange(6)[None], torch.zeros(3, 5, dtype=torch.long)):
         with pytest.raises(ValueError, match="sample 0: .*position_ids"):
             pack_samples([dict(sample, position_ids=positions)], True, image_token_id=9, video_token_id=8, merge=2)
     mrope = torch.tensor([[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]])
