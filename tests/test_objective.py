@@ -627,3 +627,21 @@ def test_seq_sum_norm_without_max_response_length_is_an_error(toy, samples):
                                max_prompt_length=MAX_PROMPT, max_response_length=None, n_per_prompt=2)
     with pytest.raises(ValueError, match="seq_sum_norm.*pass seq_len_norm"):
         actor.update([dict(s) for s in samples])
+
+
+def test_tis_without_the_rollouts_log_probs_is_an_error_not_an_update_without_tis(toy, samples):
+    """tis_cap set but no sample carries rollout_logprobs: an error naming the key (TIS was turned off unsaid)."""
+    from test_actor_update import make_actor, make_cfg
+
+    bare = [{k: v for k, v in s.items() if k != "rollout_logprobs"} for s in samples]
+    with pytest.raises(KeyError, match="sample 0 has no 'rollout_logprobs'"):
+        make_actor(make_cfg(toy["vl_model"], tis_cap=2.0)).update(bare)
+
+
+def test_seq_mode_divides_each_mini_batch_by_its_own_sequences(toy, samples):
+    """loss_avg_mode seq, two mini-batches of 2 (global_batch_size 1 prompt x n 2), advantages 1, 0.5 | 0.7, 0.2, lr 0
+    (both steps on policy): each token's loss is -A, a step's pg_loss the mean over its 2 responses (-0.75, -0.45),
+    actor/pg_loss their mean -0.6 (dividing by all 4 sequences gave -0.3)."""
+    shifted = [dict(s, advantage=a) for s, a in zip(samples, [1.0, 0.5, 0.7, 0.2])]
+    metrics, _, _ = update_on_policy(toy, shifted, {"loss_avg_mode": "seq", "global_batch_size": 1, "optim.lr": 0.0})
+    assert math.isclose(metrics["actor/pg_loss"], -0.6, rel_tol=1e-5), metrics["actor/pg_loss"]
