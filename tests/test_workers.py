@@ -129,3 +129,34 @@ def test_the_actor_gets_the_rollout_temperature_and_the_kl_loss_settings(monkeyp
     assert "ref" in kw
     kw = setup_kwargs(monkeypatch, "algorithm.disable_kl=true")
     assert kw["actor"]["use_kl_loss"] is False and "ref" not in kw
+
+
+def test_lora_builds_no_reference_and_its_ref_pass_turns_the_adapter_off(monkeypatch):
+    """With LoRA the reference is the base model under the policy's adapter: no second model is built, and the ref
+    log-probs are the policy's own with disable_adapter=True."""
+    assert "ref" not in setup_kwargs(monkeypatch, "worker.actor.model.lora.rank=8")
+    worker, calls = workers.Worker(), []
+    worker.memory, worker.ref = {}, None
+    worker.actor = types.SimpleNamespace(compute_log_probs=lambda samples, **kw: calls.append(kw) or ["logp"])
+    assert worker.log_probs(["s"], "ref") == ["logp"] and calls == [{"disable_adapter": True}]
+
+
+def test_one_worker_with_a_reference_and_mixed_precision_still_runs_fsdp2(monkeypatch):
+    """One worker with a reference and bf16 compute over fp32 weights joins a one-rank process group, so the policy is
+    sharded and cast as the reference is (KL 0 at step 1); fp32 compute, or no reference, needs none."""
+    started = []
+    monkeypatch.setattr(workers.dist, "init_process_group", lambda backend, **kw: started.append(backend))
+    monkeypatch.setattr(workers.dist, "is_initialized", lambda: False)
+    setup_kwargs(monkeypatch, "worker.actor.fsdp.mp_param_dtype=bf16")
+    setup_kwargs(monkeypatch, "worker.actor.fsdp.mp_param_dtype=bf16", "algorithm.disable_kl=true")
+    setup_kwargs(monkeypatch)
+    assert started == ["gloo"]
+
+
+def test_a_steps_memory_peaks_start_at_its_weight_sync():
+    worker = workers.Worker()
+    worker.memory = {"update": 9.0}  # the last step's peak
+    worker.actor = types.SimpleNamespace(named_tensors=lambda: iter(()))
+    worker.rollout = types.SimpleNamespace(load_weights=lambda tensors: list(tensors), wake_up=lambda: None)
+    worker.sync_weights()
+    assert worker.memory == {}
