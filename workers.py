@@ -213,11 +213,13 @@ class device_peak:
             self.thread.start()
 
     def _poll(self, device):
-        while True:
+        while True:  # until a reading begun after the block ended: its last allocation (a wake-up) counts
+            ended = self.done.is_set()
             free, total = torch.cuda.mem_get_info(device)
             self.peak = max(self.peak, total - free)
-            if self.done.wait(0.005):
+            if ended:
                 return
+            self.done.wait(0.005)
 
     def __exit__(self, *exc):
         if torch.cuda.is_available():

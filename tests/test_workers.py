@@ -160,3 +160,19 @@ def test_a_steps_memory_peaks_start_at_its_weight_sync():
     worker.rollout = types.SimpleNamespace(load_weights=lambda tensors: list(tensors), wake_up=lambda: None)
     worker.sync_weights()
     assert worker.memory == {}
+
+
+def test_a_phases_peak_counts_what_it_allocated_last(monkeypatch):
+    """A block whose last act allocates (the sync's KV-cache wake-up) is read after it ends: 10 GiB, not the 1 GiB
+    in use before (on one H200 the sync's peak read 43 GB, its wake-up missed, and 85 GB with the last reading)."""
+    used, reads = [2**30], []
+    monkeypatch.setattr(workers.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(workers.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(workers.torch.cuda, "mem_get_info", lambda device: reads.append(used[0]) or (
+        100 * 2**30 - used[0], 100 * 2**30))
+    memory = {}
+    with workers.device_peak(memory, "sync"):
+        while not reads:  # the poller has read the memory in use before the block's last act
+            pass
+        used[0] = 10 * 2**30  # and exits at once, long before the poller's next 5 ms reading
+    assert memory == {"sync": 10.0}
