@@ -63,7 +63,8 @@ from transformers import AutoConfig, AutoModel, AutoProcessor, AutoTokenizer
 logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILE_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
-SPLIT_WORDS = ("train", "test", "validation", "val", "dev", "eval")  # a folder's files by the words in their paths
+SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),  # datasets'
+               "test": ("test", "testing", "eval", "evaluation")}  # split keywords: a folder's files by their words
 MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")  # the actor's inputs
 _MEASURING = None  # (rows, builder) while check_rows measures: its forked workers inherit it
 _EXITING = threading.Event()  # set at exit: a prefetch stops after its row (_stop_prefetching)
@@ -522,8 +523,9 @@ def load_rows(spec, cfg):
     """Rows of `spec`, one of:
       - a local .parquet/.json/.jsonl/.csv/.arrow file (its one split is train, as datasets names it: `file@train`);
       - a local folder, `folder@split`: every such file under it with a word of its name or of a folder under `folder`
-        starting with split (default train): `train` takes geo_train.parquet, training-0.jsonl and train/data-0.arrow,
-        not pretrain_test.parquet (nor save_to_disk's dataset_info.json, state.json);
+        that names split (default train; datasets' keywords: training is train, eval test, dev validation): `train`
+        takes geo_train.parquet, training-0.jsonl and train/data-0.arrow, not pretrain_test.parquet (nor save_to_disk's
+        dataset_info.json, state.json), `test` not testmini.parquet;
       - a hub dataset, `name@split`, through datasets.load_dataset (split default train).
     The prompt and answer columns must exist in every file."""
     if not spec:
@@ -550,8 +552,9 @@ def load_rows(spec, cfg):
                        if os.path.splitext(f)[1] in FILE_BUILDERS and f not in ("dataset_info.json", "state.json")
                        and _of_split(os.path.relpath(os.path.join(d, f), local), split))
         if not files:
-            raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name or folder word starting "
+            raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name or folder word naming "
                             f"{split!r}")
+        logger.info(f"{spec}: {len(files)} file(s): {', '.join(os.path.relpath(f, local) for f in files[:8])}")
         parts = [(f, _read_file(f)) for f in files]
         for f in [f for f, part in parts if part is None]:
             logger.warning(f"{f} has no rows; skipped")
@@ -569,11 +572,13 @@ def load_rows(spec, cfg):
 
 
 def _of_split(relpath, split):
-    """Whether a dataset folder's file at `relpath` is of `split`: the innermost part of the path with a word starting
-    a split's name decides (fold/test_v2/train.parquet is train only: its folder made it test too)."""
+    """Whether a dataset folder's file at `relpath` is of `split`: the innermost part of the path with a split's word
+    (between non-letters: testmini is no test) decides (fold/test_v2/train.parquet is train only)."""
+    words = SPLIT_WORDS.get(split, (split,))
     for part in reversed(relpath.split(os.sep)):
-        if found := {w for w in (split, *SPLIT_WORDS) if re.search(rf"(?<![a-zA-Z]){re.escape(w)}", part)}:
-            return split in found
+        if found := {w for w in (*words, *sum(SPLIT_WORDS.values(), ()))
+                     if re.search(rf"(?<![a-zA-Z]){re.escape(w)}(?![a-zA-Z])", part)}:
+            return bool(found & set(words))
     return False
 
 

@@ -190,7 +190,7 @@ def test_every_local_source_form(tmp_path, monkeypatch, toy):
     assert len(data.load_rows(f"{tmp_path / 'set.parquet'}@train", cfg)) == len(ROWS)  # as EasyR1 (datasets) reads it
     pd.DataFrame(ROWS).to_parquet(tmp_path / "set@v2.parquet")  # an @ in a file's own name is not a split
     assert len(data.load_rows(str(tmp_path / "set@v2.parquet"), cfg)) == len(ROWS)
-    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl/.csv/.arrow file in .* starting 'validation'"):
+    with pytest.raises(data.DataError, match="no .parquet/.json/.jsonl/.csv/.arrow file in .* naming 'validation'"):
         data.load_rows(f"{folder}@validation", cfg)
     # The repo-relative toy path resolves from any working directory.
     monkeypatch.chdir(tmp_path)

@@ -131,3 +131,17 @@ def test_settings_that_would_go_wrong_quietly_are_errors(toy, tmp_path):
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     processor, tokenizer = data.load_processor(toy["vl_model"], config(override_chat_template=str(template)))
     assert processor.chat_template == tokenizer.chat_template == template.read_text()
+
+
+def test_a_split_word_ends_at_a_non_letter_and_datasets_keywords_count(tmp_path, caplog):
+    """MathVista's data/testmini-*.parquet is no test file (it was: a word starting with test); as datasets' split
+    keywords, eval is test, training train, dev validation; the files taken are logged."""
+    for name, rows in (("test-00000-of-00001", ROWS[:2]), ("testmini-00000-of-00001", ROWS[2:3]),
+                       ("eval_2", ROWS[3:]), ("training", ROWS), ("dev", ROWS[:1]), ("devil_val", ROWS[1:2])):
+        pd.DataFrame(rows).to_parquet(tmp_path / f"{name}.parquet")
+    caplog.set_level("INFO", logger="data")
+    taken = {split: [p.rsplit("/", 1)[1] for p, _ in data.load_rows(f"{tmp_path}@{split}", config()).parts]
+             for split in ("test", "train", "validation", "testmini")}
+    assert taken == {"test": ["eval_2.parquet", "test-00000-of-00001.parquet"], "train": ["training.parquet"],
+                     "validation": ["dev.parquet", "devil_val.parquet"], "testmini": ["testmini-00000-of-00001.parquet"]}
+    assert f"{tmp_path}@test: 2 file(s): eval_2.parquet, test-00000-of-00001.parquet" in caplog.messages
