@@ -43,6 +43,7 @@ import copy
 import dataclasses
 import io
 import itertools
+import json
 import logging
 import math
 import multiprocessing
@@ -81,9 +82,14 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
     auto = AutoProcessor if getattr(config, "vision_config", None) is not None else AutoTokenizer
     processor = auto.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
-    if cfg.override_chat_template:
-        processor.chat_template = tokenizer.chat_template = _read_text(cfg.override_chat_template,
-                                                                       "data.override_chat_template")
+    if path := cfg.override_chat_template:  # a .jinja file, or a model's chat_template.json: {"chat_template": ...}
+        text = _read_text(path, "data.override_chat_template")
+        if path.endswith(".json"):
+            try:
+                text = json.loads(text)["chat_template"] + ""  # a string, not the JSON text rendered as a template
+            except (ValueError, TypeError, KeyError):
+                raise DataError(f"data.override_chat_template={path}: a .json file needs a \"chat_template\" string")
+        processor.chat_template = tokenizer.chat_template = text
     if getattr(processor, "chat_template", None) is None:  # transformers' error would come at the first row
         raise DataError(f"{tokenizer_path} has no chat template (a base model?): set data.override_chat_template "
                         "to a Jinja file that lays out the system and user messages and the generation prompt")

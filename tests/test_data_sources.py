@@ -2,6 +2,7 @@
 folder with one subfolder per split (the hub's and DatasetDict.save_to_disk's layouts)."""
 
 import io
+import json
 
 import datasets
 import pandas as pd
@@ -145,3 +146,17 @@ def test_a_split_word_ends_at_a_non_letter_and_datasets_keywords_count(tmp_path,
     assert taken == {"test": ["eval_2.parquet", "test-00000-of-00001.parquet"], "train": ["training.parquet"],
                      "validation": ["dev.parquet", "devil_val.parquet"], "testmini": ["testmini-00000-of-00001.parquet"]}
     assert f"{tmp_path}@test: 2 file(s): eval_2.parquet, test-00000-of-00001.parquet" in caplog.messages
+
+
+def test_a_chat_template_json_gives_its_template_not_its_json_text(toy, tmp_path):
+    """A model folder's chat_template.json as data.override_chat_template: its "chat_template" string is the template
+    (the JSON text itself was rendered as one: every prompt in braces and quotes); any other .json is an error."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
+    processor, tokenizer = data.load_processor(toy["vl_model"], config(override_chat_template=str(
+        tmp_path / "chat_template.json")))
+    assert processor.chat_template == tokenizer.chat_template == template
+    for text in ('{"template": "x"}', '{"chat_template": [1]}', "not json", "[]"):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(data.DataError, match=f"override_chat_template={tmp_path / 'bad.json'}: a .json file needs"):
+            data.load_processor(toy["vl_model"], config(override_chat_template=str(tmp_path / "bad.json")))
