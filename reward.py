@@ -10,8 +10,9 @@ A reward input (one per response):
     ground_truth:    str   the row's answer (a list or dict answer as it is)
     prompt:          str   the prompt text
     extra:           dict  the row's other columns (e.g. a difficulty or a task type)
-A reward function returns one dict of finite floats per input, the same keys for every input, with at least
-"overall" (the scalar reward that advantage.py turns into advantages); the other keys are logged as metrics.
+A reward function returns one dict of finite floats per input with at least "overall" (the scalar reward that
+advantage.py turns into advantages); the other keys are logged as metrics, each the mean over the inputs that return
+it (as EasyR1: a key of one task only is that task's mean).
 A user's file sets REWARD_TYPE = "batch" (the default: fn(list of inputs, **kwargs) -> list of dicts) or
 "sequential" (fn(input, **kwargs) -> dict, as the built-ins).
 """
@@ -108,19 +109,16 @@ class RewardFunction:
                 got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
                 raise RewardError(f"reward function {self.name!r} (REWARD_TYPE batch) returned {got} for "
                                   f"{len(inputs)} inputs; it must return one dict per input, in order")
-        return [self._check(inputs, i, result, results[0]) for i, result in enumerate(results)]
+        return [self._check(inputs, i, result) for i, result in enumerate(results)]
 
-    def _check(self, inputs, i, result, first):
-        """result as {key: float}, or a RewardError: not a dict, no "overall", non-finite, keys changed."""
+    def _check(self, inputs, i, result):
+        """result as {key: float}, or a RewardError: not a dict, no "overall", not a finite number."""
         if not isinstance(result, dict):
             raise self._error(inputs, i, f"returned {type(result).__name__}, not a dict of floats")
         if not all(isinstance(key, str) for key in result):
             raise self._error(inputs, i, f"returned keys {list(result)}; they must be strings (metric names)")
         if "overall" not in result:
             raise self._error(inputs, i, f"returned keys {sorted(result)} without 'overall'")
-        if result.keys() != first.keys():  # sample 0 passed these checks first
-            raise self._error(inputs, i, f"returned keys {sorted(result)}, but sample 0 returned {sorted(first)}; "
-                                         f"every sample must return the same keys")
         scores = {}
         for key, value in result.items():
             try:  # float("1.0") works, but a string is a bug

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 
@@ -171,8 +172,8 @@ class Run:
             with timer(metrics, "reward"):
                 batch_scores = self.score(batch, outs)
             all_scores += batch_scores
-            if a.online_filtering and a.filter_key not in batch_scores[0]:
-                raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*batch_scores[0]]}")
+            if a.online_filtering and (lack := [s for s in batch_scores if a.filter_key not in s]):
+                raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*lack[0]]}")
             if a.online_filtering:  # flat groups go only where their advantages would be 0 (or the KL's alone)
                 flat_is_zero = a.adv_estimator in advantage.ZERO_WHEN_FLAT  # spread: of the raw overall scores
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
@@ -190,7 +191,7 @@ class Run:
         metrics["filter/rounds"] = rounds
         assert len(responses) == want * self.cfg.worker.rollout.n
         over = all_scores if a.online_filtering else scores  # as EasyR1: dropped groups count only when filtering
-        return prompts, responses, scores, {f"reward/{k}": sum(s[k] for s in over) / len(over) for k in over[0]}
+        return prompts, responses, scores, {f"reward/{k}": v for k, v in _mean_by_key(over).items()}
 
     def greedy_rewards(self, prompts):
         """ReMax's baseline: {uid: the reward of the prompt's greedy response} (temperature 0, one response each)."""
@@ -252,7 +253,7 @@ class Run:
             slim = [{k: p[k] for k in ("prompt_ids", "prompt_text", "ground_truth")} for p in prompts]  # no pixels kept
             pairs += [(slim[r["prompt_index"]], r) for r in responses]
         self.workers.sleep()
-        metrics = {f"val/{k}_reward": sum(s[k] for s in scores) / len(scores) for k in scores[0]}
+        metrics = {f"val/{k}_reward": v for k, v in _mean_by_key(scores).items()}
         metrics["val/reward_score"] = metrics["val/overall_reward"]
         metrics.update(_length_metrics(pairs, self.cfg.data.max_prompt_length, prefix="val_"))
         logged = [{"prompt": p["prompt_text"], "response": self.tokenizer.decode(r["response_ids"]),
@@ -335,6 +336,11 @@ def _sample(prompt, response):
     return {"uid": prompt["uid"], "prompt_ids": prompt["prompt_ids"], "position_ids": prompt["position_ids"],
             "multi_modal_inputs": prompt["multi_modal_inputs"], "response_ids": response["response_ids"],
             "rollout_logprobs": torch.tensor(response["logprobs"], dtype=torch.float32)}
+
+
+def _mean_by_key(scores):
+    """{key: the mean over the scores that have it}: a reward may return a key for some responses only (EasyR1)."""
+    return {k: statistics.fmean(s[k] for s in scores if k in s) for k in dict.fromkeys(k for s in scores for k in s)}
 
 
 def _batch_metrics(prompts, responses, samples, cfg, metrics):

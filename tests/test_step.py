@@ -110,3 +110,15 @@ def test_the_last_step_is_saved_whatever_save_freq():
     """save_freq 2 over 3 steps: checkpoints at 2 and at the last step, 3 (EasyR1 saves the final weights)."""
     run = bare_run("trainer.val_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=2", training_steps=3)
     assert scripted_fit(run)[1] == [2, 3]
+
+
+def test_a_reward_key_of_some_responses_is_their_mean_over_rounds():
+    """Rounds of one prompt: x's responses return acc_x (1, 0.5), y's acc_y (0.25, 0.25) beside overall (1, 1, 0,
+    0): as EasyR1, each key is the mean over the responses that return it (a KeyError after the second round
+    before)."""
+    table = {"x": ({"acc_x": 1.0}, {"acc_x": 0.5}), "y": ({"acc_y": 0.25}, {"acc_y": 0.25})}
+    run = two_round_run("data.rollout_batch_size=2", "data.mini_rollout_batch_size=1",
+                        "worker.actor.global_batch_size=2",
+                        score=lambda p, j: {"overall": float(p == "x"), **table[p][j]})
+    run.train_iter = iter([[{"name": "x"}], [{"name": "y"}]])
+    assert run.make_batch({})[3] == {"reward/overall": 0.5, "reward/acc_x": 0.75, "reward/acc_y": 0.25}

@@ -79,3 +79,14 @@ def test_val_reward_score_is_the_overall_mean_with_several_reward_keys():
     metrics = run.validate()
     assert {k: v for k, v in metrics.items() if k.startswith("val/")} == {
         "val/overall_reward": 0.5, "val/accuracy_reward": 0.75, "val/reward_score": 0.5}
+
+
+def test_a_reward_key_of_some_responses_is_their_mean_over_the_batches():
+    """math_acc from a (1) and b (0.5) of the first batch, geo from d (0.25) of the second, overall from all four (1,
+    0, 0, 1): each key's mean over the responses that return it, as EasyR1 (a KeyError after the whole validation)."""
+    run = val_run("trainer.val_generations_to_log=0")[0]
+    extra = {"a": {"math_acc": 1.0}, "b": {"math_acc": 0.5}, "c": {}, "d": {"geo": 0.25}}
+    run.score = lambda prompts, responses: [{"overall": float(r["name"] in "ad"), **extra[r["name"]]}
+                                            for r in responses]
+    assert {k: v for k, v in run.validate().items() if k.startswith("val/")} == {
+        "val/overall_reward": 0.5, "val/math_acc_reward": 0.75, "val/geo_reward": 0.25, "val/reward_score": 0.5}
