@@ -3,6 +3,7 @@ folder with one subfolder per split (the hub's and DatasetDict.save_to_disk's la
 
 import io
 import json
+import re
 
 import datasets
 import pandas as pd
@@ -144,7 +145,8 @@ def test_a_split_word_ends_at_a_non_letter_and_datasets_keywords_count(tmp_path,
     taken = {split: [p.rsplit("/", 1)[1] for p, _ in data.load_rows(f"{tmp_path}@{split}", config()).parts]
              for split in ("test", "train", "validation", "testmini")}
     assert taken == {"test": ["eval_2.parquet", "test-00000-of-00001.parquet"], "train": ["training.parquet"],
-                     "validation": ["dev.parquet", "devil_val.parquet"], "testmini": ["testmini-00000-of-00001.parquet"]}
+                     "validation": ["dev.parquet", "devil_val.parquet"],
+                     "testmini": ["testmini-00000-of-00001.parquet"]}
     assert f"{tmp_path}@test: 2 file(s): eval_2.parquet, test-00000-of-00001.parquet" in caplog.messages
 
 
@@ -158,5 +160,20 @@ def test_a_chat_template_json_gives_its_template_not_its_json_text(toy, tmp_path
     assert processor.chat_template == tokenizer.chat_template == template
     for text in ('{"template": "x"}', '{"chat_template": [1]}', "not json", "[]"):
         (tmp_path / "bad.json").write_text(text)
-        with pytest.raises(data.DataError, match=f"override_chat_template={tmp_path / 'bad.json'}: a .json file needs"):
+        with pytest.raises(data.DataError, match=f"template={tmp_path / 'bad.json'}: a .json file needs"):
             data.load_processor(toy["vl_model"], config(override_chat_template=str(tmp_path / "bad.json")))
+
+
+def test_grounding_tokens_may_be_written_in_a_prompt_chat_and_vision_tokens_not(toy):
+    """Qwen2-VL's grounding prompts write <|object_ref_start|> ... <|box_end|>, special tokens of its tokenizer that
+    no chat template writes: they were refused as forged turns. Chat, EOS, pad and vision tokens still are."""
+    processor, _ = data.load_processor(toy["vl_model"], config())
+    grounding = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>"]
+    tokenizer = processor.tokenizer  # extra special tokens, as Qwen2-VL's tokenizer has them
+    tokenizer.add_special_tokens({"additional_special_tokens": tokenizer.all_special_tokens + grounding})
+    built = data.PromptBuilder(config(), processor, toy["vl_model"])
+    prompt = "Find <|object_ref_start|>the cat<|object_ref_end|> at <|box_start|>(1,2),(3,4)<|box_end|>"
+    assert prompt in built.prompt_text({"problem": prompt, "answer": "a"}, "r0")[0]
+    for token in ("<|im_start|>", "<|endoftext|>", "<|vision_end|>", "<|video_pad|>"):
+        with pytest.raises(data.DataError, match=re.escape(f"r0: the prompt has ['{token}'] written in it")):
+            built.prompt_text({"problem": f"Q {token}?", "answer": "a"}, "r0")
