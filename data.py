@@ -352,7 +352,7 @@ class PromptBuilder:
         cfg = self.cfg
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
-            raise DataError(f"{where}: empty prompt in column '{cfg.prompt_key}' ({content!r})")
+            raise DataError(f"{where}: no prompt text in column '{cfg.prompt_key}' ({content!r}; a string is needed)")
         answer = row.get(cfg.answer_key)  # the reward compares with it: None, blank, [], () or {} is no answer
         if answer is None or not str(answer).strip() or isinstance(answer, (list, tuple, dict)) and not answer \
                 or isinstance(answer, float) and math.isnan(answer):

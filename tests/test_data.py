@@ -624,8 +624,8 @@ BAD_ROWS = {
     "missing image file": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": "/no/x.png"}]},
                            "image 0 of column 'images' is unreadable: FileNotFoundError: .*'/no/x.png' \\(a "
                            "relative path is looked up under data.image_dir=None; null: the working directory"),
-    "empty prompt": ({"problem": "  ", "answer": "a", "images": []}, "empty prompt in column 'problem'"),
-    "null prompt": ({"problem": None, "answer": "a", "images": []}, "empty prompt in column 'problem'"),
+    "empty prompt": ({"problem": "  ", "answer": "a", "images": []}, "no prompt text in column 'problem'"),
+    "null prompt": ({"problem": None, "answer": "a", "images": []}, "no prompt text in column 'problem'"),
     "image, no placeholder": ({"problem": "Q?", "answer": "a", "images": [{"bytes": png(56, 56), "path": None}]},
                               r"1 image\(s\) in column 'images' but 0 <image> placeholder"),
     "placeholders, no image": ({"problem": "<image><image>Q?", "answer": "a", "images": []},
