@@ -192,14 +192,16 @@ class AdaptiveKLController:
 
 # -- Online filtering and metrics --------------------------------------------------------------------
 
-def groups_to_keep(values, uids, low, high, spread=None):
+def groups_to_keep(values, uids, low, high, spread=None, unique_top=False):
     """The set of uids whose groups are worth training on: low < mean_g(values) < high (values: one per response,
     e.g. the filter_key score) and, given `spread` (the scores the advantages use), max_g - min_g of spread > FLAT:
-    a ZERO_WHEN_FLAT estimator gives a flat group all-zero advantages. spread=None tests only the mean, as EasyR1."""
+    a ZERO_WHEN_FLAT estimator gives a flat group all-zero advantages; unique_top: and one response at the top of
+    spread (grpo_passk gives a shared top 0 too). spread=None tests only the mean, as EasyR1."""
     s = group_stats(values, uids, allow_singletons=True)
     keep = (s.mean > low) & (s.mean < high)  # [G]
     if spread is not None:  # the same groups in the same order: by first appearance
-        keep &= ~group_stats(spread, uids, allow_singletons=True).flat
+        t = group_stats(spread, uids, allow_singletons=True)
+        keep &= ~t.flat & (group_reduce((t.x == t.max[t.g]).double(), t.g, len(t.n)) == 1 if unique_top else True)
     return {s.names[i] for i in torch.nonzero(keep).flatten().tolist()}
 
 

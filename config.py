@@ -293,6 +293,9 @@ def check_config(cfg):
     if alg.kl_type == "adaptive" and (alg.kl_target <= 0 or alg.kl_horizon <= 0.2 * n):  # beta (1 - 0.2 n / h) > 0
         raise ConfigError(f"algorithm.kl_type=adaptive needs algorithm.kl_target={alg.kl_target} > 0 and "
                           f"algorithm.kl_horizon={alg.kl_horizon} > 0.2 x {n} (responses a step)")
+    if alg.online_filtering and r.n < 2:  # a group of one: only responses scoring strictly between would train
+        raise ConfigError(f"algorithm.online_filtering keeps the groups whose mean score is in (filter_low, "
+                          f"filter_high): worker.rollout.n={r.n} makes each response its own group")
     if alg.online_filtering and alg.filter_low >= alg.filter_high:  # a group is kept when low < mean < high: none
         raise ConfigError(f"algorithm.filter_low={alg.filter_low} must be < algorithm.filter_high={alg.filter_high}")
     if not alg.online_filtering and (d.mini_rollout_batch_size or 0) > d.rollout_batch_size:  # the excess is dropped

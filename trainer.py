@@ -178,7 +178,8 @@ class Run:
                 flat_is_zero = a.adv_estimator in advantage.ZERO_WHEN_FLAT  # spread: of the raw overall scores
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
-                                                spread=[s["overall"] for s in batch_scores] if flat_is_zero else None)
+                                                spread=[s["overall"] for s in batch_scores] if flat_is_zero else None,
+                                                unique_top=a.adv_estimator == "grpo_passk")
             kept = [i for i, p in enumerate(batch) if not a.online_filtering or p["uid"] in keep][:want - len(prompts)]
             index = {i: len(prompts) + j for j, i in enumerate(kept)}  # prompt index: in this round -> kept
             prompts += [batch[i] for i in kept]

@@ -333,6 +333,15 @@ def test_online_filtering_drops_flat_groups_only_where_their_advantage_is_zero(n
     assert kept == ({"m", "hi"} if name in advantage.ZERO_WHEN_FLAT else {"flat", "m", "hi"})
 
 
+def test_online_filtering_for_pass_at_k_drops_a_group_whose_top_score_is_shared():
+    """grpo_passk pushes up a group's one best response: a group of 1, 1, 0 (top shared) gets all-zero advantages
+    though it has spread, and filtering kept it; 1, 0, 0 trains and stays."""
+    uids, values = ["tie"] * 3 + ["one"] * 3, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    assert [float(a) for a in compute_advantages("grpo_passk", values, uids)[:3]] == [0.0, 0.0, 0.0]
+    assert advantage.groups_to_keep(values, uids, 0.01, 0.99, spread=values, unique_top=True) == {"one"}
+    assert advantage.groups_to_keep(values, uids, 0.01, 0.99, spread=values) == {"tie", "one"}  # grpo's rule
+
+
 def test_advantage_metrics_over_tokens():
     got = advantage.advantage_metrics([1.0, 0.0], [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-6.0])], ["a", "b"])
     assert (got["critic/advantages/mean"], got["critic/advantages/max"], got["critic/advantages/min"]) == (0.0, 3.0, -6.0)

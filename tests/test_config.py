@@ -280,6 +280,9 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     # a group is kept when low < mean < high: no group ever is, and the step retries max_try_make_batch rounds
     (["algorithm.online_filtering=true", "algorithm.filter_low=0.5", "algorithm.filter_high=0.5"],
      "algorithm.filter_low=0.5 must be < algorithm.filter_high=0.5"),
+    # ReMax's n=1: each response its own group, only scores strictly between the bounds trained (no right answer)
+    (["algorithm.online_filtering=true", "algorithm.adv_estimator=remax", "worker.rollout.n=1"],
+     "worker.rollout.n=1 makes each response its own group"),
     # without filtering every group of a round is kept: 512 of the 1024 prompts generated each step were dropped
     (["data.mini_rollout_batch_size=1024"], "data.mini_rollout_batch_size=1024 must be at most data.rollout"),
     # a typo here failed only at the first validation, val_freq steps into training

@@ -122,3 +122,19 @@ def test_a_reward_key_of_some_responses_is_their_mean_over_rounds():
                         score=lambda p, j: {"overall": float(p == "x"), **table[p][j]})
     run.train_iter = iter([[{"name": "x"}], [{"name": "y"}]])
     assert run.make_batch({})[3] == {"reward/overall": 0.5, "reward/acc_x": 0.75, "reward/acc_y": 0.25}
+
+
+def test_pass_at_k_filtering_drops_groups_whose_top_is_shared():
+    """grpo_passk with online filtering, n = 3: x scores 1, 1, 0 (top shared: all-zero advantages), y 1, 0, 0;
+    only y is kept, round 2 (z, w, as y) fills the batch (both kept before: x trained on nothing)."""
+    run = bare_run("data.rollout_batch_size=2", "worker.rollout.n=3", "worker.actor.global_batch_size=2",
+                   "trainer.n_gpus_per_node=1", "worker.rollout.name=hf", "algorithm.online_filtering=true",
+                   "algorithm.adv_estimator=grpo_passk")
+    run.train_iter = iter([[{"name": "x"}, {"name": "y"}], [{"name": "z"}, {"name": "w"}]])
+    run.workers = types.SimpleNamespace(generate=lambda prompts, sampling: [
+        {"prompt_index": i, "uid": p["uid"], "response_ids": [1], "name": p["name"], "j": j}
+        for i, p in enumerate(prompts) for j in range(3)])
+    run.sampling = lambda key, override=None: {"n": 3, "seed": 0}
+    run.score = lambda prompts, responses: [{"overall": float(r["j"] < (2 if r["name"] == "x" else 1))}
+                                            for r in responses]
+    assert [p["name"] for p in run.make_batch({})[0]] == ["y", "z"]
