@@ -273,6 +273,8 @@ class Run:
             remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
             try:
                 self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
+                if self.cfg.data.override_chat_template:  # the template trained with, for merge.py's model
+                    self.processor.save_pretrained(os.path.join(path, "actor", "huggingface"))
                 torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
             except (RuntimeError, OSError) as e:  # a full disk reads "unexpected pos" in torch.save
                 raise RuntimeError(f"saving the checkpoint of step {self.step} to {path} failed with "

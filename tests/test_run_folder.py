@@ -8,7 +8,10 @@ import json
 import os
 
 import pytest
+from transformers import AutoProcessor, AutoTokenizer
 
+import actor
+import data
 import run_folder
 from test_checkpoint import fake_run, folders, make_cfg, no_hf_files, save_steps  # noqa: F401 (no_hf_files: a fixture)
 
@@ -158,3 +161,23 @@ def test_removing_a_checkpoint_takes_its_huggingface_copy_and_keeps_a_merged_mod
     os.rmdir(tmp_path / "global_step_1" / "actor" / "merged")
     run_folder.remove_checkpoint(str(tmp_path / "global_step_1"))  # nothing else left: the folder goes
     assert not (tmp_path / "global_step_1").exists()
+
+
+def test_a_checkpoint_keeps_the_chat_template_it_trained_with(tmp_path, toy, monkeypatch):
+    """With data.override_chat_template (a base model must set one) the checkpoint's huggingface/ files, which
+    merge.py copies beside the weights, held the model's own template (or none): the merged model was served with
+    prompts laid out otherwise than in training."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    cfg = make_cfg()
+    cfg.data.override_chat_template = str(tmp_path / "chat.jinja")
+    os.makedirs(tmp_path / "run")  # the actor writes the model's own processor files, as actor.save_hf_files
+    monkeypatch.setattr(actor, "save_hf_files", lambda model_cfg, path, peft_model=None: AutoProcessor.from_pretrained(
+        toy["vl_model"]).save_pretrained(path))
+    run = fake_run(tmp_path / "run", cfg)
+    run.processor = data.load_processor(toy["vl_model"], cfg.data)[0]
+    run.step = 1
+    run.save_checkpoint({})
+    saved = tmp_path / "run" / "global_step_1" / "actor" / "huggingface"
+    assert AutoProcessor.from_pretrained(saved).chat_template == AutoTokenizer.from_pretrained(saved).chat_template \
+        == template
