@@ -10,6 +10,7 @@ only torch and can be copied out alone; the Actor needs modeling.py (loading, FS
 and config.py (its cfg, the worker.actor section: ActorConfig; keys in configs/geo3k.yaml).
 
 A sample (built by trainer.py) holds:
+    uid                 str          its prompt's group id (workers.py keeps a group on one rank; named in errors)
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded
     response_ids        list[int]    may be empty
     position_ids        Tensor [R, P] the PROMPT's positions (R = 4 for Qwen-VL: text row + 3 mrope rows; 1 for

@@ -5,10 +5,10 @@
     scores = score(inputs)                                        # list of dicts -> list of dicts
 
 A reward input (one per response):
-    response:        str   the decoded response (special tokens skipped)
+    response:        str   the decoded response (special tokens skipped: worker.reward.skip_special_tokens)
     response_length: int   its length in tokens
     ground_truth:    str   the row's answer (a list or dict answer as it is)
-    prompt:          str   the prompt text
+    prompt:          str   the chat-templated prompt (system message, format template, vision placeholders)
     extra:           dict  the row's other columns (e.g. a difficulty or a task type)
 A reward function returns one dict of finite floats per input with at least "overall" (the scalar reward that
 advantage.py turns into advantages); the other keys are logged as metrics, each the mean over the inputs that return
@@ -278,8 +278,9 @@ def r1v_reward(sample, format_weight=0.5, timeout=10.0):
 def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong_penalty_factor):
     """DAPO (EasyR1's dapo.py): exact match after Minerva normalisation, plus a soft overlong penalty.
 
-    answer   = text after the last "Answer:" (case-insensitive; blank space after it skipped, line breaks too, then up
-               to the end of that line) within the last 300 characters of the response; "[INVALID]" if there is none
+    answer   = text after the first "Answer:" of the last line that has one (case-insensitive; blank space after it
+               skipped, line breaks too, then up to the end of that line, a later "Answer:" included) within the
+               last 300 characters of the response; "[INVALID]" if there is none
     accuracy = +1 if minerva_normalize(answer) == minerva_normalize(ground_truth), else -1
     overlong, with L = response_length (tokens), L_max = max_response_length, L_buf = overlong_buffer_length:
                0                              if L <= L_max - L_buf

@@ -152,7 +152,8 @@ class CheckpointError(RuntimeError):
 def find_checkpoint(root, load_path, find_last, val_only=False):
     """The global_step_N folder to resume from (no Ray), or None for a fresh start (no checkpoint, or not `find_last`:
     the earlier run's files then go aside, unless `val_only`). An explicit `load_path` must be complete (a later one in
-    root: a warning); else the tracker's, or the newest complete one if that is incomplete or the tracker unreadable."""
+    root: a warning); else the tracker's, or the newest complete one if that is incomplete or the tracker unreadable;
+    none complete: a fresh start without a tracker, a CheckpointError with one."""
     if load_path is not None:
         name = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
         if not name or not os.path.isdir(load_path):
