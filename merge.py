@@ -124,7 +124,7 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
     for file, shard in split.filename_to_tensors.items():
         keys = [key for name in shard for key in (plan[name][0], *(plan[name][1] or ())[:2])]  # W (+ A, B)
         loaded = read_tensors(model_dir, tensors, keys)
-        out = {saved_name[name]: cast(merged_tensor(loaded, *plan[name]), dtype) for name in shard}
+        out = {saved_name[name]: cast(merged_tensor(loaded, *plan[name], dtype), dtype) for name in shard}
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
         del loaded, out
     if split.is_sharded:
@@ -134,17 +134,17 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
     return next(t.dtype for t in written.values() if t.is_floating_point())  # save_pretrained's model.dtype
 
 
-def merged_tensor(loaded, key, lora):
+def merged_tensor(loaded, key, lora, dtype=None):
     """The tensor to write for one plan entry (popped from `loaded`). For an adapted linear, from the checkpoint's
     W [out, in], A [r, in], B [out, r]:
         W' = W + scale * B @ A,  scale = alpha / r  (alpha / sqrt(r) with use_rslora),  transposed if fan_in_fan_out,
-    summed in fp32 and returned in W's stored dtype, as peft's merge_and_unload does."""
+    summed in fp32 and rounded once, to `dtype` (--dtype) or else W's stored dtype, as peft's merge_and_unload does."""
     weight = loaded.pop(key)
     if lora is None:
         return weight
     key_a, key_b, scale, transpose = lora
     delta = loaded.pop(key_b).float() @ loaded.pop(key_a).float()  # [out, r] @ [r, in] -> [out, in]
-    return (weight.float() + (delta.T if transpose else delta) * scale).to(weight.dtype)
+    return (weight.float() + (delta.T if transpose else delta) * scale).to(dtype or weight.dtype)
 
 
 def lora_plan(tensors, lora):

@@ -149,7 +149,8 @@ LOOP_LIMIT = 4672  # the aim is 4,000; 4,223 when this test was written, every f
 # 4,661 with a warning for images or videos in columns the keys do not name (rows silently text only) (+5);
 # 4,667 with online filtering refusing n=1 and dropping grpo_passk's groups with a shared top (+6);
 # 4,669 with data.override_chat_template saved with the checkpoint's huggingface/ files (+2);
-# 4,672 with docstrings corrected where a reader was misled (a sample's uid, the reward's prompt, DAPO's answer; +3)
+# 4,672 with docstrings corrected where a reader was misled (a sample's uid, the reward's prompt, DAPO's answer; +3);
+# 4,672 with merge.py rounding a LoRA merge once, to --dtype (fp32 got bf16's rounding) (+0)
 
 
 def test_the_loop_reads_in_a_few_sittings():

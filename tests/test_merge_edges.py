@@ -186,6 +186,14 @@ def test_bf16_lora_merges_in_fp32_and_is_written_in_bf16(toy, tmp_path):
     assert len([k for k in state if k.endswith(".base_layer.weight")]) == 4
     assert written.keys() == expected.keys() and all(v.dtype == torch.bfloat16 for v in written.values())
     assert all(torch.equal(written[k], expected[k]) for k in expected)
+    # --dtype fp32: the fp32 sum itself, not its bf16 rounding cast up (a small update vanished in it)
+    written = safetensors_contents(merge.merge_checkpoint(str(tmp_path / "actor"), str(tmp_path / "fp32"), "fp32",
+                                                          merge_lora=True))[0]
+    for key in [k for k in state if k.endswith(".base_layer.weight")]:
+        module, name = key.removesuffix(".base_layer.weight"), key.removeprefix("base_model.model.").replace(
+            ".base_layer.", ".")
+        a, b = state[f"{module}.lora_A.default.weight"].float(), state[f"{module}.lora_B.default.weight"].float()
+        assert torch.equal(written[name], state[key].float() + 2.0 * (b @ a)), name
 
 
 def test_adapter_keys_of_an_embedding_lora_and_its_dtype(toy, tmp_path):
