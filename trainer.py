@@ -31,7 +31,7 @@ import reward
 import rollout
 from config import ConfigError, config_to_dict, load_config
 from modeling import apply_overrides
-from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoint, remove_checkpoint,
+from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoint, move_aside, remove_checkpoint,
                         remove_old_checkpoints, set_aside_later, write_atomic)
 from workers import WorkerGroup, show_logs
 
@@ -271,6 +271,8 @@ class Run:
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         with timer(metrics, "save_checkpoint"):
             remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
+            if os.path.exists(path):  # merge.py's output of those weights, kept: not beside the new ones
+                move_aside(self.ckpt_root, f"step {self.step} is saved again", [os.path.basename(path)])
             try:
                 self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
                 if self.cfg.data.override_chat_template:  # the template trained with, for merge.py's model

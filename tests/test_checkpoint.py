@@ -492,7 +492,8 @@ def test_a_failed_save_says_where_and_how_much_disk_is_left_and_keeps_the_last_c
 
 def test_rotation_and_a_step_saved_again_keep_what_merge_py_wrote_in_the_folder(tmp_path, capsys):
     """merge.py's actor/merged in step 1 and an --output beside it, actor/adapter in step 3: save_limit's rotation and
-    the save of step 3 again (a resumed run reaching it once more) deleted them with the checkpoint, without a word."""
+    the save of step 3 again (a resumed run reaching it once more) deleted them with the checkpoint, without a word.
+    Rotation keeps them in place; a step saved again moves its earlier weights' output aside (it is stale there)."""
     def write(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         open(path, "w").write("kept")
@@ -510,7 +511,8 @@ def test_rotation_and_a_step_saved_again_keep_what_merge_py_wrote_in_the_folder(
     assert folders(tmp_path) == [1, 3]  # step 2 went whole
     assert sorted(str(p.relative_to(tmp_path / "global_step_1")) for p in (tmp_path / "global_step_1").rglob("*")
                   if p.is_file()) == ["actor/merged/model.safetensors", "export/config.json"]
-    assert (tmp_path / "global_step_3" / "actor" / "adapter" / "adapter_model.safetensors").read_text() == "kept"
+    (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("earlier_")]
+    assert (tmp_path / aside / "global_step_3" / "actor" / "adapter" / "adapter_model.safetensors").read_text() == "kept"
     assert run_folder.checkpoint_problem(str(tmp_path / "global_step_3")) is None
     out = capsys.readouterr().out
     assert out.count(f"{tmp_path / 'global_step_1'}: removing the checkpoint but keeping what else is there: "

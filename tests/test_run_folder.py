@@ -181,3 +181,20 @@ def test_a_checkpoint_keeps_the_chat_template_it_trained_with(tmp_path, toy, mon
     saved = tmp_path / "run" / "global_step_1" / "actor" / "huggingface"
     assert AutoProcessor.from_pretrained(saved).chat_template == AutoTokenizer.from_pretrained(saved).chat_template \
         == template
+
+
+def test_a_step_saved_again_sets_merge_outputs_of_its_earlier_weights_aside(tmp_path, capsys):
+    """Step 2 merged (actor/merged), rotated away (its merge output kept), then a resume from step 1 saves step 2
+    again: the old merged weights sat beside the new checkpoint, silently (merge.py then said 'already exists')."""
+    save_steps(tmp_path, [1, 2])
+    os.makedirs(tmp_path / "global_step_2" / "actor" / "merged")
+    run_folder.remove_checkpoint(str(tmp_path / "global_step_2"))  # as save_limit's rotation does
+    run = fake_run(tmp_path, make_cfg(load_checkpoint_path=str(tmp_path / "global_step_1")))
+    run.step = 2
+    run.save_checkpoint({})
+    assert not (tmp_path / "global_step_2" / "actor" / "merged").exists() and not run_folder.checkpoint_problem(
+        str(tmp_path / "global_step_2"))
+    (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("earlier_")]
+    assert os.listdir(tmp_path / aside / "global_step_2" / "actor") == ["merged"]
+    out = capsys.readouterr().out
+    assert f"step 2 is saved again: global_step_2 moved from {tmp_path} to {tmp_path / aside}" in out
