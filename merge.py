@@ -19,6 +19,7 @@ built on the meta device only.
 
 import argparse
 import fcntl
+import glob
 import json
 import math
 import os
@@ -184,12 +185,17 @@ def write_adapter(model_dir, tensors, lora, out_dir, dtype):
 def check_checkpoint(local_dir):
     model_dir, hf_dir, step = f"{local_dir}/model", f"{local_dir}/huggingface", os.path.dirname(local_dir)
     if not os.path.exists(os.path.join(model_dir, ".metadata")):
+        steps = sorted(glob.glob(f"{local_dir}/global_step_*/actor/model/.metadata"))  # the run folder given
         hint = next((f" Did you mean --local_dir {d}?" for d in (f"{local_dir}/actor", os.path.dirname(local_dir))
                      if os.path.exists(f"{d}/model/.metadata")), "")  # global_step_N, or actor/huggingface
+        if steps and not hint:
+            hint = f" It holds {', '.join(os.path.relpath(p, local_dir)[:-len('/model/.metadata')] for p in steps)}."
+        hint = hint if os.path.isdir(local_dir) else " The folder does not exist."
         raise MergeError(f"{local_dir} is not an actor checkpoint: {model_dir}/.metadata (torch.distributed.checkpoint)"
                          f" does not exist. Pass checkpoints/<project>/<exp>/global_step_N/actor.{hint}")
     if re.fullmatch(r"global_step_\d+", os.path.basename(step)) and not os.path.exists(f"{step}/trainer_state.json"):
-        raise MergeError(f"{step} has no trainer_state.json (trainer.py writes it last): its save did not finish")
+        raise MergeError(f"{step} has no trainer_state.json (trainer.py writes it last): its save did not finish; "
+                         "merge it once the run has saved it, or merge an earlier global_step_N/actor")
     vl = os.path.exists(f"{hf_dir}/config.json") and "vision_config" in json.load(open(f"{hf_dir}/config.json"))
     needed = ["config.json", "tokenizer_config.json"] + ["processor_config.json or preprocessor_config.json"] * vl
     if missing := [f for f in needed if not any(os.path.exists(f"{hf_dir}/{name}") for name in f.split(" or "))]:

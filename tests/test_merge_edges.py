@@ -6,6 +6,7 @@ checkpoints.)"""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -21,7 +22,7 @@ def test_unfinished_save_is_an_error_naming_what_is_missing(toy, tmp_path):
     its tokenizer or a VL model's processor. A copied actor/ (no global_step_N parent) needs no trainer_state.json."""
     actor = tmp_path / "run" / "global_step_3" / "actor"
     text_checkpoint(toy, actor)
-    with pytest.raises(merge.MergeError, match=r"global_step_3 has no trainer_state.json .*its save did not finish"):
+    with pytest.raises(merge.MergeError, match=r"global_step_3 has no trainer_state.json .*finish; merge it once"):
         merge.merge_checkpoint(str(actor))
     (actor.parent / "trainer_state.json").write_text("{}")
     os.remove(actor / "huggingface" / "tokenizer_config.json")
@@ -346,3 +347,14 @@ def test_cast_and_size_units_by_hand():
     assert merge.cast(ints, torch.float16).tolist() == [0, 1, 2]
     sizes = {"3B": 3, "1KB": 1000, "1KiB": 1024, "2MB": 2 * 10**6, "2MiB": 2 * 2**20, "1GiB": 2**30, "1 kib": 1024}
     assert {size: merge.parse_size(size) for size in sizes} == sizes
+
+
+def test_a_missing_folder_or_a_run_folder_is_said_as_such(tmp_path):
+    """A wrong path says the folder does not exist; the run folder lists its checkpoints (only the format was named)."""
+    with pytest.raises(merge.MergeError, match="does not exist. Pass .*global_step_N/actor. The folder does not exist"):
+        merge.merge_checkpoint(str(tmp_path / "nowhere"))
+    for step in (2, 10):
+        os.makedirs(tmp_path / f"global_step_{step}" / "actor" / "model")
+        (tmp_path / f"global_step_{step}" / "actor" / "model" / ".metadata").write_bytes(b"")
+    with pytest.raises(merge.MergeError, match=re.escape("It holds global_step_10/actor, global_step_2/actor.")):
+        merge.merge_checkpoint(str(tmp_path))
