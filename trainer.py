@@ -108,6 +108,8 @@ class Run:
             self.logger.log(metrics, self.step, amend=self.step > 0 or t.val_only)  # into that step's row, if any
             if t.val_only:
                 return metrics
+            if self.step > 0:  # the checkpoint resumed from: its score counts toward the best, as at a save
+                self._keep_best(metrics)
         with tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger) as bar:
             while self.step < self.training_steps:
                 self.step += 1
@@ -265,7 +267,7 @@ class Run:
 
     def save_checkpoint(self, metrics):
         """Write global_step_N/ (actor/, dataloader.pt), log the step's row, then trainer_state.json and the tracker
-        naming N, each atomically; then remove old checkpoints. A checkpoint counts once its trainer_state.json exists;
+        naming N, each atomically; then remove old checkpoints. A checkpoint counts once the tracker names it;
         a resume cuts the log back to the rows of steps up to N (Logger.rewind), so each step's row is there once."""
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
@@ -282,9 +284,7 @@ class Run:
                 raise RuntimeError(f"saving the checkpoint of step {self.step} to {path} failed with "
                                    f"{shutil.disk_usage(self.ckpt_root).free / 2**30:.1f} GiB free on its disk; "
                                    f"the last complete checkpoint is still there: {e}") from None
-        val_score, best = metrics.get("val/reward_score"), self.best["best_val_reward_score"]
-        if val_score is not None and (best is None or val_score > best):
-            self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
+        self._keep_best(metrics)
         self.logger.log(metrics, self.step)
         self.logger.flush()  # the step's rows on disk before its checkpoint counts
         state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "kl_type": self.cfg.algorithm.kl_type,
@@ -292,6 +292,12 @@ class Run:
         write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
         write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
         remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
+
+    def _keep_best(self, metrics):
+        """self.best: the step whose checkpoint scored the highest val/reward_score (rotation never removes it)."""
+        val_score, best = metrics.get("val/reward_score"), self.best["best_val_reward_score"]
+        if val_score is not None and (best is None or val_score > best):
+            self.best = {"best_global_step": self.step, "best_val_reward_score": val_score}
 
     def _load_data_position(self, path):
         try:  # the train loader's position, which must have been saved with this data config

@@ -176,6 +176,7 @@ def bare_run(*overrides, step=0, training_steps=3):
     run = trainer.Run.__new__(trainer.Run)
     run.cfg = load_config(None, ["trainer.logger=[file]", *overrides])
     run.step, run.training_steps, run.ckpt_root, run.logger = step, training_steps, "ckpt", FakeLogger()
+    run.best = {"best_global_step": None, "best_val_reward_score": None}
     return run
 
 

@@ -198,3 +198,17 @@ def test_a_step_saved_again_sets_merge_outputs_of_its_earlier_weights_aside(tmp_
     assert os.listdir(tmp_path / aside / "global_step_2" / "actor") == ["merged"]
     out = capsys.readouterr().out
     assert f"step 2 is saved again: global_step_2 moved from {tmp_path} to {tmp_path / aside}" in out
+
+
+def test_a_resumes_first_validation_counts_toward_the_best_checkpoint(tmp_path):
+    """Steps 1 and 2 saved unvalidated; the resume validates step 2 first (0.9), then steps 3 and 4 score 0.9 and
+    0.5: step 2 is the best (it was step 3, the first save with a score, and rotation could remove step 2)."""
+    save_steps(tmp_path, [1, 2])
+    run = fake_run(tmp_path, make_cfg(val_before_train=True, val_freq=1))
+    scores = iter([0.9, 0.9, 0.5])
+    run.validate = lambda: {"val/reward_score": next(scores)}
+    run.train_step = lambda: {"reward/overall": 0.0}
+    run.fit()
+    run.logger.close()
+    assert json.loads((tmp_path / run_folder.TRACKER).read_text()) == {
+        "last_global_step": 4, "best_global_step": 2, "best_val_reward_score": 0.9}
