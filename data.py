@@ -263,10 +263,10 @@ class PromptBuilder:
                 raise DataError(f"data.format_prompt ({cfg.format_prompt}) must use {{{{ content }}}}, the row's "
                                 f"prompt, and no other variable; it uses {sorted(names)}")
         self.template = cfg.format_prompt and env.from_string(ast)
-        own = {self.tokenizer.eos_token, self.tokenizer.pad_token, *(getattr(processor, f"{k}_token", None) for k in
-                                                                    ("image", "video"))}  # and the chat template's:
-        self.special_tokens = [t for t in self.tokenizer.all_special_tokens if t in own  # not written in a prompt
-                               or t in str(processor.chat_template)]  # (Qwen2-VL's <|box_start|> and kin may be)
+        own = {self.tokenizer.eos_token, self.tokenizer.pad_token, getattr(processor, "image_token", None),
+               getattr(processor, "video_token", None)}  # these and the chat template's are never in a prompt
+        self.special_tokens = [t for t in self.tokenizer.all_special_tokens  # (Qwen2-VL's <|box_start|> may be)
+                               if t in own or t in str(processor.chat_template)]
 
     def build(self, row, index, where):
         """The prompt dict (keys at the top of the module). `where` ("file row j") goes into errors."""
