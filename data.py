@@ -25,8 +25,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
                                     [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
     position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
                                     get_rope_index, re-based by trained_positions), [1, P] for text models
-    ground_truth        str         the answer column as written (a whole float, from type inference, as an integer;
-                                    a list or dict as it is)
+    ground_truth        str         the answer column as written (CSV: the cell's text; parquet or json numbers: a
+                                    whole float as an integer; a list or dict as it is)
     extra               dict        the row's other columns, untouched
 The same decoded pixels go to the rollout engine and, through the processor, to the actor.
 
@@ -55,6 +55,7 @@ import datasets
 import jinja2
 import jinja2.meta
 import numpy
+import pandas
 import pyarrow.compute
 import pyarrow.parquet
 import torch
@@ -298,8 +299,9 @@ class PromptBuilder:
         cfg = self.cfg
         text, raw_images, raw_videos = self.prompt_text(row, where)
         images = self.decode(where, "image", raw_images, process_image, cfg.min_pixels, cfg.max_pixels, cfg.image_dir)
+        ip = self.image_processor  # video frames are bounded in merged patches of patch_size x merge_size pixels
         videos = self.decode(where, "video", raw_videos, process_video, cfg.min_pixels, cfg.max_pixels, cfg.video_fps,
-                             cfg.image_dir)
+                             cfg.image_dir, ip and ip.patch_size * ip.merge_size)
         frames, metadata = [f for f, _ in videos], [m for _, m in videos]
         raw_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.image_processor is None:
@@ -418,18 +420,25 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     return image.resize(size) if size != image.size else image
 
 
-def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
+def process_video(video, min_pixels, max_pixels, fps, image_dir=None, factor=28):
     """(frames uint8 [T, H, W, 3] RGB, metadata as in the prompt dict): the video decoded with PyAV, sampled at
-    `fps` frames per second (sample_frame_indices), each frame resized as process_image resizes an image.
+    `fps` frames per second (sample_frame_indices), each frame resized as process_image resizes an image, but
+    within qwen-vl-utils' per-frame bound (EasyR1's reader), for T frames kept and merged patches of f x f pixels
+    (`factor`: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL): 768 patches, fewer for a long video, at least 1.05 min_pixels:
+        max_pixels <- min(max_pixels, max(min(768 f^2, 0.9 x 128000 f^2 x 2 / T), int(1.05 min_pixels)))
     `video`: a path (relative: joined to image_dir), bytes, or {"bytes": ...} / {"path": ...}. A file whose
     frames do not all decode (truncated, corrupt) raises. Or a list of frames (each as process_image takes an
     image), read as qwen-vl-utils reads one: every frame, the last repeated to an even count, at `fps`."""
     import av  # PyAV, only for video rows
 
+    def bound(count):  # the per-frame max_pixels for `count` frames (above)
+        return min(max_pixels, max(min(768 * factor**2, 0.9 * 128000 * factor**2 * 2 / count), int(1.05 * min_pixels)))
+
     if isinstance(video, (list, tuple, numpy.ndarray)):
         if not len(video):
             raise ValueError("an empty list of frames")
-        frames = [numpy.asarray(process_image(frame, min_pixels, max_pixels, image_dir)) for frame in video]
+        cap = bound(len(video) + len(video) % 2)
+        frames = [numpy.asarray(process_image(frame, min_pixels, cap, image_dir)) for frame in video]
         frames += frames[-1:] * (len(frames) % 2)
         sizes = [f"{f.shape[1]}x{f.shape[0]}" for f in frames]
         if odd := next((i for i, size in enumerate(sizes) if size != sizes[0]), None):
@@ -445,11 +454,11 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None):
         if total < 1 or rate <= 0:
             raise ValueError(f"no frames or no frame rate in the video stream ({total} frames at {rate} fps)")
         indices = sample_frame_indices(total, rate, fps)
-        wanted, frames, decoded = set(indices), [], 0
+        wanted, frames, decoded, cap = set(indices), [], 0, bound(len(indices))
         container.seek(0)
         for i, frame in enumerate(itertools.islice(container.decode(stream), indices[-1] + 1)):
             if i in wanted:
-                frames.append(numpy.asarray(process_image(frame.to_image(), min_pixels, max_pixels)))
+                frames.append(numpy.asarray(process_image(frame.to_image(), min_pixels, cap)))
             decoded = i + 1
     if len(frames) < len(indices):
         raise ValueError(f"only {decoded} of the {total} frames its header announces decode: truncated or corrupt")
@@ -611,6 +620,8 @@ def _read_file(path):
             if f.read().strip() in (b"", b"[]"):
                 return None
     try:
+        if extension == ".csv":  # each cell as written ("007", "1e3", "NA" stay text: no type guessing); blank: None
+            return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str, keep_default_na=False, na_values=[""]))
         return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train")
     except Exception as e:
         raise DataError(f"{path}: not readable as a {extension} file: {e.__cause__ or e!r}") from e  # the parser's

@@ -212,7 +212,7 @@ def test_a_folder_split_is_a_word_of_the_file_name_not_any_substring(tmp_path):
 
 def test_csv_and_arrow_files_load_as_easyr1_loads_them(tmp_path):
     """EasyR1 hands a file's extension to datasets as its builder (verl/utils/dataset.py:139, "jsonl" -> "json"),
-    so .csv and .arrow files (datasets' save_to_disk shards) load there; csv reads "2" back as the int 2."""
+    so .csv and .arrow files (datasets' save_to_disk shards) load there (a csv cell as written: test_data_media)."""
     pd.DataFrame(ROWS).to_csv(tmp_path / "set.csv", index=False)
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
     for path in (tmp_path / "set.csv", next((tmp_path / "saved").glob("*.arrow"))):

@@ -147,6 +147,23 @@ def test_a_list_of_frames_is_one_video_as_qwen_vl_utils_reads_it(tmp_path, vl):
         data.process_video([], 3136, 12544, 2.0)
 
 
+def test_video_frames_are_bounded_per_frame_as_qwen_vl_utils_bounds_them(tmp_path):
+    """EasyR1's reader caps each frame at min(max_pixels, max(min(768 f^2, 0.9 x 128000 f^2 x 2 / T), 1.05
+    min_pixels)); the frames were bounded by data.max_pixels alone: 1.7x the tokens of a 720p clip, 3.7x at 1080p."""
+    hd = [Image.new("RGB", (1280, 720), COLOR_LIST[i]) for i in range(4)]
+    # geo3k's bounds, Qwen2.5-VL (f = 28), 4 frames: cap 768 x 784 = 602112; s = sqrt(602112 / 921600) = 0.80829
+    frames, _ = data.process_video(hd, 262144, 4194304, 2.0, factor=28)
+    assert frames.shape == (4, 581, 1034, 3)  # 1280 s = 1034.6, 720 s = 581.97, rounded down
+    # Qwen3-VL (f = 32): 768 x 1024 = 786432, s = 0.92376: 1182.4 x 665.1
+    assert data.process_video(hd[:2], 262144, 4194304, 2.0, factor=32)[0].shape == (2, 665, 1182, 3)
+    small = [Image.new("RGB", (60, 60))] * 399  # f = 2: 768 x 4 = 3072; 0.9 x 128000 x 4 x 2 / 400 = 2304 (even)
+    assert data.process_video(small, 100, 10**6, 2.0, factor=2)[0].shape == (400, 48, 48, 3)  # s = 0.8
+    small = small + small  # 798 frames: 921600 / 798 = 1154.9 < 1.05 x 1500 = 1575: s = sqrt(1575 / 3600) = 0.661
+    assert data.process_video(small, 1500, 10**6, 2.0, factor=2)[0].shape == (798, 39, 39, 3)  # 39.7 down to 39
+    raw = clip(4, size=(200, 100), fps=2)  # a file: the same bound for its 4 sampled frames
+    assert data.process_video(raw, 100, 10**6, 2.0, factor=2)[0].shape == (4, 39, 78, 3)  # 3072: s = 0.39192
+
+
 def test_a_file_without_a_video_stream_says_so(tmp_path):
     """An audio-only file was an IndexError: tuple index out of range."""
     import av
@@ -291,6 +308,12 @@ def test_numeric_answers_keep_their_written_form_and_nan_is_no_answer(toy, tmp_p
     (tmp_path / "a.csv").write_text("problem,answer\nWhat is 3+4?,7\nmissing?,\nx?,2\n")
     rows = data.load_rows(str(tmp_path / "a.csv"), config(skip_bad_rows=True))
     assert [text.build(rows[i], i, f"r{i}")["ground_truth"] for i in (0, 2)] == ["7", "2"]
+    # a CSV cell is text as written: pandas' type guessing read 007 as 7, 3.10 as 3.1, 1e3 as 1000 and NA as missing
+    (tmp_path / "b.csv").write_text("problem,answer,level\nNA,007,1\nb?,3.10,\nc?,1e3,2\nd?,NA,3\n")
+    rows = data.load_rows(str(tmp_path / "b.csv"), config())
+    assert [(rows[i]["problem"], rows[i]["answer"], rows[i]["level"]) for i in range(4)] == \
+        [("NA", "007", "1"), ("b?", "3.10", None), ("c?", "1e3", "2"), ("d?", "NA", "3")]
+    assert [text.build(rows[i], i, f"r{i}")["ground_truth"] for i in range(4)] == ["007", "3.10", "1e3", "NA"]
 
 
 def test_a_list_answer_reaches_the_reward_as_it_is(toy):
