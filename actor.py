@@ -5,8 +5,9 @@ A training step asks three passes of it, each on a list of sample dicts:
     update             per packed micro-batch: policy_loss -> aggregate_loss with the mini-batch's global counts
                        (+ kl_coef x that of kl_penalty), backward; one clipped optimizer step per mini-batch and epoch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
-and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: first below) needs
-only torch and can be copied out alone; the Actor needs modeling.py (loading, FSDP2, LoRA, packing, the forward)
+and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: the section first
+below, constants included) needs only torch: copy that section out, as the module imports modeling.py at the top;
+the Actor needs modeling.py (loading, FSDP2, LoRA, packing, the forward)
 and config.py (its cfg, the worker.actor section: ActorConfig; keys in configs/geo3k.yaml).
 
 A sample (built by trainer.py) holds:
@@ -94,9 +95,9 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     if loss_type in CLIP_TYPES and not clip_ratio_dual > 1.0:
         raise ValueError(f"policy_loss: clip_ratio_dual must be > 1 for dual-clip PPO, got {clip_ratio_dual} "
                          "(worker.actor.clip_ratio_dual; EasyR1's default is 3.0)")
-    if tis_cap is not None and rollout_logp is None:
-        raise ValueError("policy_loss: tis_cap is set but no rollout log-probs were given; the samples need "
-                         "'rollout_logprobs' (or set worker.actor.tis_cap to null)")
+    if tis_cap is not None and (rollout_logp is None or not tis_cap > 0):  # a cap <= 0 flips or stops the gradient
+        raise ValueError(f"policy_loss: tis_cap={tis_cap} must be > 0 and needs the rollout log-probs (the samples' "
+                         "'rollout_logprobs'); or set worker.actor.tis_cap to null")
     _check_flat(cu_seqlens, logp=logp, old_logp=old_logp, advantages=advantages, rollout_logp=rollout_logp)
     logp, old_logp, advantages = logp.float(), old_logp.float(), advantages.float()  # [tokens]
     delta = logp - old_logp  # [tokens]

@@ -73,7 +73,8 @@ def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False)
     """REINFORCE++ with a group baseline (after veRL's reinforce_plus_plus_baseline; EasyR1 has none):
 
     c_i = r_i - mean_g              (exactly 0 for a group without spread)
-    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses
+    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses (veRL's: over
+                                                    the response tokens, where long responses weigh more)
     Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
     """
     s = group_stats(scores, uids, allow_singletons)
@@ -111,11 +112,11 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     if baselines is not None and name != "remax":
         raise ValueError(f"baselines are only used by remax, not by {name}")
+    if torch.is_tensor(token_kl) and (lengths is None or name not in TOKEN_LEVEL):  # a padded [N, L]: its padding
+        raise ValueError("token_kl: a list of N tensors [L_i], one per response (padding would count as tokens)")
     if name in TOKEN_LEVEL:
         if lengths is None and token_kl is None:
             raise ValueError(f"{name} computes one advantage per token: pass lengths (in tokens) or token_kl")
-        if torch.is_tensor(token_kl) and lengths is None:  # a padded [N, L]: its padding would count as tokens
-            raise ValueError("token_kl: a list of N tensors [L_i], one per response (or pass lengths)")
         lengths = [len(k) for k in token_kl] if lengths is None else [int(n) for n in lengths]
         return ESTIMATORS[name](as_scores(scores, uids), lengths, token_kl, kl_coef, **opts)
     if token_kl is not None:

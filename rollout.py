@@ -7,7 +7,8 @@
     engine.sleep()                                             # give the memory back to the actor
 
 Reads worker.rollout (config.py's RolloutConfig) and three attributes the loop adds to it: limit_videos (the most
-videos in one row of the data; trainer.py), trust_remote_code and override_config (workers.py).
+videos in one row of the data; trainer.py), trust_remote_code and override_config (workers.py). Imports modeling.py
+(its dtype names and apply_overrides): copy both.
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
@@ -143,6 +144,9 @@ class HFRollout:
     def _prompt_positions(self, prompt, index):
         """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
         length, positions, mm = len(prompt["prompt_ids"]), prompt.get("position_ids"), prompt.get("multi_modal_inputs")
+        if not mm and not set(self.banned_ids).isdisjoint(prompt["prompt_ids"]):  # else read as text, unsaid
+            raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): image or video placeholders in prompt_ids "
+                             "but no multi_modal_inputs (data.py's processor output)")
         if positions is None and not mm:
             positions = torch.arange(length)[None]
         shape = None if positions is None else tuple(torch.as_tensor(positions).shape)

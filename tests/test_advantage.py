@@ -424,8 +424,9 @@ def test_uids_group_by_the_callers_own_values_and_come_back_as_given():
 def test_kl_inputs_that_would_pass_silently_are_errors():
     """A padded [N, L] token_kl (EasyR1's layout) would count its padding as response tokens in REINFORCE++, and a
     NaN KL was blamed on the scores; both now say what is wrong."""
-    with pytest.raises(ValueError, match=r"token_kl: a list of N tensors \[L_i\]"):
-        compute_advantages("reinforce_plus_plus", [1.0, 0.0], ["a", "a"], token_kl=torch.ones(2, 3), kl_coef=0.1)
+    for name in ("reinforce_plus_plus", "grpo", "rloo"):  # grpo and rloo summed the padding into the KL penalty
+        with pytest.raises(ValueError, match=r"token_kl: a list of N tensors \[L_i\]"):
+            compute_advantages(name, [1.0, 0.0], ["a", "a"], token_kl=torch.ones(2, 3), kl_coef=0.1)
     with pytest.raises(ValueError, match=r"kl_sums: nan at position 0 is not finite"):
         compute_advantages("grpo", [1.0, 0.0], ["a", "a"], token_kl=[torch.tensor([float("nan")]), torch.ones(1)],
                            kl_coef=0.1)

@@ -271,6 +271,9 @@ def test_tis_weights_capped_and_detached():
     assert loss == base_loss and "tis_weight" not in m and "rollout_logp_abs_diff" in m
     with pytest.raises(ValueError, match="rollout_logprobs"):
         run("default", logp, old, adv, cu, tis_cap=2.0)
+    for cap in (0.0, -1.0):  # a negative weight reversed the gradient, 0 stopped it, unsaid (config.py checks too)
+        with pytest.raises(ValueError, match=f"tis_cap={cap} must be > 0"):
+            run("default", logp, old, adv, cu, rollout_logp=rollout, tis_cap=cap)
 
 
 def test_bad_inputs_speak():
