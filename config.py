@@ -354,7 +354,10 @@ def _merge(cfg, layer, source, replace_dicts):
         return OmegaConf.merge(cfg, layer)
     except ConfigKeyError as e:  # not a field: name the closest key, or the key of that name in another section
         leaves = {k.split(".")[-1]: k for k in reversed(KEYS)}  # last part -> the first key ending in it
-        close = difflib.get_close_matches(e.full_key, KEYS, n=1, cutoff=0.5) or [
+        tried, sub = e.full_key, OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False)
+        while isinstance(sub, DictConfig) and len(sub):  # a mistyped section (worker.actr.optim.lr): its first key
+            tried, sub = f"{tried}.{next(iter(sub))}", sub[next(iter(sub))]
+        close = difflib.get_close_matches(tried, KEYS, n=1, cutoff=0.5) or [
             leaves[m] for m in difflib.get_close_matches(e.full_key.split(".")[-1], leaves, n=1, cutoff=0.6)]
         hint = EASYR1_ONLY.get(e.full_key) or (f" did you mean {close[0]}?" if close else "")
         raise ConfigError(f"unknown config key {e.full_key!r} ({source}).{hint}") from None
@@ -370,8 +373,11 @@ def _merge(cfg, layer, source, replace_dicts):
 
 
 def _config_file(path):
-    """`path` as given if it exists, else the file of that name in configs/ (`geo3k.yaml`, or `geo3k`)."""
-    for candidate in (path, os.path.join(CONFIGS, path), os.path.join(CONFIGS, path + ".yaml")):
+    """`path` as given if it exists (~ expanded), else from this folder (`configs/geo3k.yaml` run elsewhere), else the
+    file of that name in configs/ (`geo3k.yaml`, or `geo3k`)."""
+    path = os.path.expanduser(path)
+    for candidate in (path, os.path.join(os.path.dirname(CONFIGS), path), os.path.join(CONFIGS, path),
+                      os.path.join(CONFIGS, path + ".yaml")):
         if os.path.isfile(candidate):
             return candidate
     shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".yaml"))

@@ -10,7 +10,7 @@ What it builds, deterministically from a seed, cached under `root`:
                 Face folder with a real fast tokenizer (build_tokenizer), the Qwen2-VL image and video processors
                 and the EOS list in generation_config.json (AutoProcessor, AutoModelForImageTextToText load it).
   text_model/   the same tokenizer and a tiny Qwen2 causal LM (`AutoModelForCausalLM`).
-  vl_warm/, text_warm/   the two after warm_start: they answer `<answer>red</answer>` + EOS, the content at
+  vl_warm/, text_warm/   the two after warm_start: they answer `<answer>blue</answer>` + EOS, the content at
                 chance; the toy configs start from these.
   colors/       train.parquet / test.parquet in the Geometry3K schema (`problem` with `<image>`, `answer`,
                 `images` as a list of {"bytes": png}): name the colour of the square.

@@ -49,12 +49,18 @@ class Run:
             if LOGGERS[name] and getattr(importlib.util.find_spec(LOGGERS[name]), "origin", None) is None:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
+        if cfg.worker.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:  # else a worker fails late
+            raise ConfigError("worker.rollout.name=vllm, but vLLM is not installed: pip install -r requirements-gpu.txt"
+                              ", or set worker.rollout.name=hf (transformers' generate; slow)")
         _ensure_toy_world(cfg)
         model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
+        try:  # a mistyped folder or an unreachable hub id: one line now, not a traceback from each worker
+            hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=remote)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"worker.actor.model.model_path={model.model_path!r} is neither a model folder with a "
+                              f"config.json nor a hub model id that loads: {str(e).splitlines()[0]}") from None
         try:  # override_config's keys, checked against the model's config now, not in each worker's setup
-            if model.override_config:
-                apply_overrides(AutoConfig.from_pretrained(model.model_path, trust_remote_code=remote),
-                                model.override_config)
+            apply_overrides(hf_config, model.override_config) if model.override_config else None
         except ValueError as e:
             raise ConfigError(str(e)) from None
         rw = cfg.worker.reward  # loaded before the data's checks and any thread: a wrong path fails in seconds
@@ -84,7 +90,10 @@ class Run:
         if self.training_steps < 1:
             raise ConfigError(f"{batches} batches of {batch} prompts per epoch make no step of data.rollout_batch_size="
                               f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
-        self.ckpt_root = os.path.abspath(t.save_checkpoint_path or f"checkpoints/{t.project_name}/{t.experiment_name}")
+        self.ckpt_root = os.path.abspath(os.path.expanduser(t.save_checkpoint_path or
+                                                            f"checkpoints/{t.project_name}/{t.experiment_name}"))
+        if os.path.exists(self.ckpt_root) and not os.path.isdir(self.ckpt_root):
+            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root} is a file, not a folder")
         os.makedirs(self.ckpt_root, exist_ok=True)  # after the data's checks: a bad row moves no earlier run aside
         checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint, t.val_only)
         self.logger = Logger(self.ckpt_root, t.logger, cfg)  # and starts no tracker run
@@ -401,14 +410,15 @@ def timer(metrics, name):
 def _ensure_toy_world(cfg):
     """Build the offline toy world on first use when the config points into .toy/, and make relative paths absolute:
     each is looked up in the working directory, then in this folder (so the toy configs run from any directory)."""
-    m, d, rw = cfg.worker.actor.model, cfg.data, cfg.worker.reward
+    m, d, rw, t = cfg.worker.actor.model, cfg.data, cfg.worker.reward, cfg.trainer
     if any(str(p).startswith(".toy/") for p in (m.model_path, d.train_files, d.val_files)):
         import toy
         toy.ensure_toy(os.path.abspath(".toy") if os.path.isdir(".toy") else os.path.join(HERE, ".toy"))
     for obj, key, sep in ((m, "model_path", "@"), (m, "tokenizer_path", "@"), (d, "format_prompt", "@"),
                           (d, "override_chat_template", "@"), (d, "image_dir", "@"), (d, "train_files", "@"),
-                          (d, "val_files", "@"), (rw, "reward_function", ":")):  # data files: path@split; file.py:fn
-        path, at, rest = (getattr(obj, key) or "").partition(sep)
+                          (d, "val_files", "@"), (rw, "reward_function", ":"), (t, "load_checkpoint_path", "\0")):
+        path, at, rest = (getattr(obj, key) or "").partition(sep)  # data files: path@split; file.py:fn
+        path = os.path.expanduser(path)  # ~/data (the shell leaves a key=~/... as it is)
         found = next((p for p in (path, os.path.join(HERE, path)) if path and os.path.exists(p)), None)
         if found and (key != "reward_function" or path.endswith(".py")):  # not a folder named like a built-in
             setattr(obj, key, os.path.abspath(found) + at + rest)
@@ -449,7 +459,7 @@ def main(argv=None):
                         help="YAML config (default: configs/toy.yaml; EasyR1's form config=path too)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after --config
     show_logs()
     easyr1 = [o for o in args.overrides if o.startswith("config=")]  # its scripts: main config=examples/config.yaml
     if len(files := (args.config or []) + [o.partition("=")[2] for o in easyr1]) > 1:  # --config given twice too

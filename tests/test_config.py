@@ -231,6 +231,17 @@ def test_bare_config_name_resolves_under_configs(capsys):
     assert "geo3k.yaml" in err and "toy.yaml" in err  # it lists what there is
 
 
+def test_a_shipped_config_is_found_by_its_repository_path_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`--config configs/toy_lora.yaml`, as the README writes it, failed outside the repository; overrides may stand
+    before and after the options (argparse refused the later ones as unrecognized arguments)."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/toy_lora.yaml").worker.actor.model.lora.rank == 8
+    argv = ["worker.rollout.n=3", "--config", "configs/toy_lora.yaml", "data.seed=7", "--print-config"]
+    assert trainer.main(argv) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["worker"]["rollout"]["n"] == 3 and printed["data"]["seed"] == 7
+
+
 def test_easyr1_command_line_form_config_equals_path(capsys):
     """EasyR1's scripts name the file as an override, `config=examples/config.yaml`, anywhere on the line: the
     same as --config; two files are an error."""
@@ -629,6 +640,7 @@ def test_a_file_with_a_list_or_a_value_for_a_section_names_the_file(tmp_path):
 
 @pytest.mark.parametrize("override, hint", [
     ("worker.rolout.n=3", " did you mean worker.rollout.n?"),  # a typo in a section's name
+    ("worker.actr.optim.lr=1", " did you mean worker.actor.optim.lr?"),  # was worker.actor.tis_cap: the whole key
     ("fsdp_siz=2", " did you mean worker.actor.fsdp.fsdp_size?"),  # by its last part: the actor's, the first key
     ("zzzz=1", ""), ("xq=1", ""), ("foo=1", ""),  # nothing is close: no suggestion (not data.format_prompt)
     ("data.tra=x", " did you mean data.train_files?"),  # close only at ratio 0.64: the cutoff is not higher

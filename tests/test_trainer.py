@@ -1,11 +1,13 @@
 """End-to-end tests of the loop on the toy world (CPU workers, gloo). Marked slow; all run in CI."""
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -238,6 +240,30 @@ def test_rows_with_more_images_than_limit_images_stop_the_run_before_ray(tmp_pat
                          "worker.actor.global_batch_size=1", "worker.rollout.limit_images=1",
                          f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
     assert code == 2 and "worker.rollout.limit_images=1, but a row holds 2 images" in capsys.readouterr().err
+
+
+def test_start_up_mistakes_with_paths_and_packages_are_one_line_errors_before_ray(tmp_path, monkeypatch, capsys, toy):
+    """A mistyped model folder (or a hub id offline) gave a transformers traceback about repo ids from the first
+    worker; a checkpoint path that is a file, os.makedirs' FileExistsError; a missing vLLM, a worker's traceback
+    after the models loaded; a `~/...` path, a folder named `~` in the working directory."""
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the mistake was found"))
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "empty").mkdir()
+    cases = [("worker.actor.model.model_path=.toy/vl_wram", "worker.actor.model.model_path='.toy/vl_wram' is "
+              "neither a model folder with a config.json nor a hub model id that loads: "),
+             (f"worker.actor.model.model_path={tmp_path / 'empty'}", "is neither a model folder with a config.json"),
+             (f"trainer.save_checkpoint_path={tmp_path / 'a_file'}", f"{tmp_path / 'a_file'} is a file, not a folder")]
+    if importlib.util.find_spec("vllm") is None:
+        cases.append(("worker.rollout.name=vllm", "worker.rollout.name=vllm, but vLLM is not installed"))
+    for override, message in cases:
+        assert trainer.main([f"trainer.save_checkpoint_path={tmp_path / 'run'}", override]) == 2, override
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0], (override, err)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(trainer, "WorkerGroup", mock.Mock(side_effect=RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        trainer.Run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["trainer.save_checkpoint_path=~/home_run"]))
+    assert (tmp_path / "home_run" / "experiment_log.jsonl").exists()
 
 
 def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):
