@@ -49,10 +49,14 @@ class Run:
             if LOGGERS[name] and getattr(importlib.util.find_spec(LOGGERS[name]), "origin", None) is None:
                 raise ConfigError(f"trainer.logger has {name}, but the {LOGGERS[name]} package is not installed: "
                                   f"pip install {LOGGERS[name]}, or remove {name} from trainer.logger")
-        if cfg.worker.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:  # else a worker fails late
-            raise ConfigError("worker.rollout.name=vllm, but vLLM is not installed: pip install -r requirements-gpu.txt"
-                              ", or set worker.rollout.name=hf (transformers' generate; slow)")
         _ensure_toy_world(cfg)
+        rw = cfg.worker.reward  # loaded before the data's checks and any thread: a wrong path fails in seconds
+        timeout = {"timeout": rw.timeout} if rw.reward_function in ("math", "r1v") else {}  # they compare answers
+        try:
+            self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout,
+                                                         **{**timeout, **rw.reward_function_kwargs})
+        except reward.RewardError as e:  # a wrong path, name or keyword: one line, like a config error
+            raise ConfigError(str(e)) from None
         model, remote = cfg.worker.actor.model, cfg.worker.actor.model.trust_remote_code
         try:  # a mistyped folder or an unreachable hub id: one line now, not a traceback from each worker
             hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=remote)
@@ -62,13 +66,6 @@ class Run:
         try:  # override_config's keys, checked against the model's config now, not in each worker's setup
             apply_overrides(hf_config, model.override_config) if model.override_config else None
         except ValueError as e:
-            raise ConfigError(str(e)) from None
-        rw = cfg.worker.reward  # loaded before the data's checks and any thread: a wrong path fails in seconds
-        timeout = {"timeout": rw.timeout} if rw.reward_function in ("math", "r1v") else {}  # they compare answers
-        try:
-            self.reward_fn = reward.load_reward_function(rw.reward_function, call_timeout=rw.call_timeout,
-                                                         **{**timeout, **rw.reward_function_kwargs})
-        except reward.RewardError as e:  # a wrong path, name or keyword: one line, like a config error
             raise ConfigError(str(e)) from None
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)

@@ -48,6 +48,7 @@ def fake_stages(monkeypatch):
     monkeypatch.setattr(trainer.data, "PromptLoader", FakeLoader)
     monkeypatch.setattr(trainer.reward, "load_reward_function", lambda name, **kw: None)
     monkeypatch.setattr(trainer, "WorkerGroup", FakeWorkers)
+    monkeypatch.setattr(trainer, "AutoConfig", types.SimpleNamespace(from_pretrained=lambda *a, **k: None))  # a hub id
     return calls
 
 

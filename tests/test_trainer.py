@@ -253,12 +253,15 @@ def test_start_up_mistakes_with_paths_and_packages_are_one_line_errors_before_ra
               "neither a model folder with a config.json nor a hub model id that loads: "),
              (f"worker.actor.model.model_path={tmp_path / 'empty'}", "is neither a model folder with a config.json"),
              (f"trainer.save_checkpoint_path={tmp_path / 'a_file'}", f"{tmp_path / 'a_file'} is a file, not a folder")]
-    if importlib.util.find_spec("vllm") is None:
-        cases.append(("worker.rollout.name=vllm", "worker.rollout.name=vllm, but vLLM is not installed"))
     for override, message in cases:
         assert trainer.main([f"trainer.save_checkpoint_path={tmp_path / 'run'}", override]) == 2, override
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0], (override, err)
+    if importlib.util.find_spec("vllm") is None:  # the worker group's first check
+        import workers
+        monkeypatch.setattr(workers.ray, "is_initialized", lambda: pytest.fail("Ray started before the check"))
+        with pytest.raises(ConfigError, match="worker.rollout.name=vllm, but vLLM is not installed"):
+            workers.WorkerGroup(load_config(None, ["trainer.device=cpu"]), 1)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(trainer, "WorkerGroup", mock.Mock(side_effect=RuntimeError("stop here")))
     with pytest.raises(RuntimeError, match="stop here"):
