@@ -276,6 +276,9 @@ def check_config(cfg):
                           f"or null): out of range (a negative one reverses or stops the gradient)")
     if len(a.optim.betas) != 2 or not all(0 <= b < 1 for b in a.optim.betas):  # AdamW: IndexError or ValueError
         raise ConfigError(f"worker.actor.optim.betas={a.optim.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
+    if (lora := a.model.lora).rank < 0 or lora.rank and lora.alpha <= 0:  # alpha 0 zeroes every adapter's output
+        raise ConfigError(f"worker.actor.model.lora.rank={lora.rank} (0: no LoRA) and alpha={lora.alpha} (> 0 with a "
+                          "rank): out of range")
     if a.clip_ratio_dual <= 1.0:
         raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
     if d.rollout_batch_size % a.global_batch_size != 0:

@@ -320,11 +320,11 @@ class Run:
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         try:
             self.workers.load(os.path.join(path, "actor"))
-        except RuntimeError as e:
+        except RuntimeError as e:  # "same settings": a LoRA or optimizer setting changed, not another run's folder
             hint = (" The tracker named it: if trainer.save_checkpoint_path holds another run, pick a new folder, or "
                     "set trainer.find_last_checkpoint=false (its files are moved aside)."
-                    if self.cfg.trainer.load_checkpoint_path is None else "")
-            raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
+                    if self.cfg.trainer.load_checkpoint_path is None and "same settings" not in str(e) else "")
+            raise CheckpointError(f"could not resume from {path}: {e}.{hint}") from None
         saved = os.path.join(os.path.dirname(os.path.abspath(path)), "experiment_config.json")
         if os.path.exists(saved):  # allowed (more steps, another learning rate), but said
             old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}

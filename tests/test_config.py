@@ -127,6 +127,9 @@ def test_bad_value_type(override, message):
 def test_cross_key_checks():
     with pytest.raises(ConfigError, match="clip_ratio_dual"):
         load_config(None, ["worker.actor.clip_ratio_dual=1.0"])
+    for lora in (["rank=-1"], ["rank=8", "alpha=0"]):  # peft's error from each worker; alpha 0: adapters add nothing
+        with pytest.raises(ConfigError, match=r"lora.rank=-?\d \(0: no LoRA\) and alpha=\d+ .*out of range"):
+            load_config(None, [f"worker.actor.model.lora.{o}" for o in lora])
     with pytest.raises(ConfigError, match="multiple of"):
         load_config(None, ["data.rollout_batch_size=100"])
     with pytest.raises(ConfigError, match="needs groups"):

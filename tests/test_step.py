@@ -138,3 +138,20 @@ def test_pass_at_k_filtering_drops_groups_whose_top_is_shared():
     run.score = lambda prompts, responses: [{"overall": float(r["j"] < (2 if r["name"] == "x" else 1))}
                                             for r in responses]
     assert [p["name"] for p in run.make_batch({})[0]] == ["y", "z"]
+
+
+def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_cause(tmp_path, monkeypatch):
+    """A changed LoRA or optimizer setting: the trainer raised a RuntimeError (a traceback) and appended advice for
+    a folder holding another run; the actor's message already says what to change."""
+    import test_checkpoint
+    from run_folder import CheckpointError
+
+    monkeypatch.setattr(test_checkpoint.actor, "save_hf_files", lambda *args, **kwargs: None)
+    test_checkpoint.save_steps(tmp_path, [1])
+    for cause, hint in (("resume with the same settings, or start a new run", False), ("size mismatch", True)):
+        def load(self, path, cause=cause):
+            raise RuntimeError(cause)
+        monkeypatch.setattr(test_checkpoint.FakeWorkers, "load", load)
+        with pytest.raises(CheckpointError, match=f"could not resume from .*global_step_1: {cause}") as caught:
+            test_checkpoint.fake_run(tmp_path, test_checkpoint.make_cfg())
+        assert ("trainer.find_last_checkpoint=false" in str(caught.value)) == hint
