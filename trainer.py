@@ -64,7 +64,8 @@ class Run:
             raise ConfigError(f"worker.actor.model.model_path={model.model_path!r} is neither a model folder with a "
                               f"config.json nor a hub model id that loads: {str(e).splitlines()[0]}") from None
         try:  # override_config's keys, checked against the model's config now, not in each worker's setup
-            apply_overrides(hf_config, model.override_config) if model.override_config else None
+            if model.override_config:
+                apply_overrides(hf_config, model.override_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
@@ -414,7 +415,7 @@ def _ensure_toy_world(cfg):
     for obj, key, sep in ((m, "model_path", "@"), (m, "tokenizer_path", "@"), (d, "format_prompt", "@"),
                           (d, "override_chat_template", "@"), (d, "image_dir", "@"), (d, "train_files", "@"),
                           (d, "val_files", "@"), (rw, "reward_function", ":"), (t, "load_checkpoint_path", "\0")):
-        path, at, rest = (getattr(obj, key) or "").partition(sep)  # data files: path@split; file.py:fn
+        path, at, rest = (getattr(obj, key) or "").partition(sep)  # data files: path@split; file.py:fn; \0: none
         path = os.path.expanduser(path)  # ~/data (the shell leaves a key=~/... as it is)
         found = next((p for p in (path, os.path.join(HERE, path)) if path and os.path.exists(p)), None)
         if found and (key != "reward_function" or path.endswith(".py")):  # not a folder named like a built-in
