@@ -76,8 +76,12 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         lora = model_cfg.lora
         targets = lora.target_modules if lora.target_modules == "all-linear" else \
             [t.strip() for t in lora.target_modules.split(",") if t.strip()]
-        module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
-                                               target_modules=targets, exclude_modules=lora.exclude_modules))
+        try:
+            module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
+                                                   target_modules=targets, exclude_modules=lora.exclude_modules))
+        except ValueError as e:  # e.g. peft's "No modules were targeted": name the keys
+            raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r}, exclude_modules="
+                             f"{lora.exclude_modules!r} (a regex): {str(e).splitlines()[0]}") from e
         if tied and any(hasattr(m, "base_layer") for m in (hf.get_output_embeddings(), hf.get_input_embeddings())):
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on the LM head "
                              f"or the embeddings, which this model ties (tie_word_embeddings): the actor would adapt "

@@ -641,6 +641,9 @@ def test_lora_on_a_head_tied_to_the_embeddings_is_refused(toy, tmp_path):
     embed = make_cfg(toy["text_model"], **{"model.lora.rank": 4, "model.lora.target_modules": "embed_tokens,q_proj"})
     with pytest.raises(ValueError, match="puts LoRA on .*embed_tokens, not a Linear layer"):
         make_actor(embed)
+    nothing = make_cfg(toy["text_model"], **{"model.lora.rank": 4, "model.lora.target_modules": "foo_proj"})
+    with pytest.raises(ValueError, match=r"lora.target_modules='foo_proj', exclude_modules=.* \(a regex\): "):
+        make_actor(nothing)  # peft's own words named neither key
 
 
 def test_a_config_that_ties_a_head_stored_apart_is_refused(toy, tmp_path):

@@ -63,7 +63,7 @@ def test_train_step_reads_as_the_loop_diagram():
 LOOP_MODULES = STAGES + PLUMBING + RUN_FOLDER + ["trainer", "workers"]  # toy.py builds the tests' offline world: not counted
 
 
-LOOP_LIMIT = 4724  # the aim is 4,000; 4,223 when this test was written, every feature and docstring formula kept;
+LOOP_LIMIT = 4728  # the aim is 4,000; 4,223 when this test was written, every feature and docstring formula kept;
 # 4,256 after a review pass's fixes (resume, worker failures, data edges, merge, config checks, Qwen2.5-VL videos);
 # 4,264 with rollout.py's check of vLLM's context against the model's positions; 4,268 with config.py's errors
 # for broken YAML and `${`; 4,273 with the checkpoint save's error that names the free disk space; 4,276 with
@@ -160,7 +160,8 @@ LOOP_LIMIT = 4724  # the aim is 4,000; 4,223 when this test was written, every f
 # missing, a checkpoint path that is a file, ~ expanded, and a section typo's whole key suggested (+16); 4,720 with
 # the vLLM check in workers.py, which imports importlib.util (+1);
 # 4,723 with LoRA rank and alpha checked, a refused resume a one-line checkpoint error (+3);
-# 4,724 with a plain `if` for the override check (+1)
+# 4,724 with a plain `if` for the override check (+1);
+# 4,728 with peft's error for a LoRA target that matches nothing naming the keys (+4)
 
 
 def test_the_loop_reads_in_a_few_sittings():
