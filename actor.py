@@ -95,9 +95,11 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     if loss_type in CLIP_TYPES and not clip_ratio_dual > 1.0:
         raise ValueError(f"policy_loss: clip_ratio_dual must be > 1 for dual-clip PPO, got {clip_ratio_dual} "
                          "(worker.actor.clip_ratio_dual; EasyR1's default is 3.0)")
-    if tis_cap is not None and (rollout_logp is None or not tis_cap > 0):  # a cap <= 0 flips or stops the gradient
-        raise ValueError(f"policy_loss: tis_cap={tis_cap} must be > 0 and needs the rollout log-probs (the samples' "
-                         "'rollout_logprobs'); or set worker.actor.tis_cap to null")
+    if tis_cap is not None and not tis_cap > 0:  # a negative weight flips the gradient, 0 stops it
+        raise ValueError(f"policy_loss: tis_cap={tis_cap} must be > 0 (worker.actor.tis_cap; null: no TIS)")
+    if tis_cap is not None and rollout_logp is None:
+        raise ValueError("policy_loss: tis_cap is set but no rollout log-probs were given; the samples need "
+                         "'rollout_logprobs' (or set worker.actor.tis_cap to null)")
     _check_flat(cu_seqlens, logp=logp, old_logp=old_logp, advantages=advantages, rollout_logp=rollout_logp)
     logp, old_logp, advantages = logp.float(), old_logp.float(), advantages.float()  # [tokens]
     delta = logp - old_logp  # [tokens]

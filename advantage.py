@@ -112,7 +112,7 @@ def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, len
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     if baselines is not None and name != "remax":
         raise ValueError(f"baselines are only used by remax, not by {name}")
-    if torch.is_tensor(token_kl) and (lengths is None or name not in TOKEN_LEVEL):  # a padded [N, L]: its padding
+    if torch.is_tensor(token_kl) and token_kl.dim() > 1 and (lengths is None or name not in TOKEN_LEVEL):  # padded
         raise ValueError("token_kl: a list of N tensors [L_i], one per response (padding would count as tokens)")
     if name in TOKEN_LEVEL:
         if lengths is None and token_kl is None:

@@ -561,7 +561,7 @@ def load_rows(spec, cfg):
     elif os.path.isfile(local):
         if split not in (None, "train"):
             raise DataError(f"'{spec}': a file has one split, train; drop '@{split}' or point at the folder")
-        parts = [(local, _read_file(local))]
+        parts = [(local, _read_file(local, (cfg.prompt_key, cfg.answer_key)))]
         if parts[0][1] is None:
             raise DataError(f"{local} has no rows")
     else:
@@ -573,7 +573,7 @@ def load_rows(spec, cfg):
             raise DataError(f"{spec}: no {'/'.join(FILE_BUILDERS)} file in {local} has a name or folder word naming "
                             f"{split!r}")
         logger.info(f"{spec}: {len(files)} file(s): {', '.join(os.path.relpath(f, local) for f in files[:8])}")
-        parts = [(f, _read_file(f)) for f in files]
+        parts = [(f, _read_file(f, (cfg.prompt_key, cfg.answer_key))) for f in files]
         for f in [f for f, part in parts if part is None]:
             logger.warning(f"{f} has no rows; skipped")
         parts = [(f, part) for f, part in parts if part is not None]
@@ -605,9 +605,10 @@ def _of_split(relpath, split):
     return False
 
 
-def _read_file(path):
+def _read_file(path, text_columns=()):
     """The file as a datasets.Dataset, or None when it has no rows (an empty file, a parquet file of zero rows, a
-    blank or `[]` json/jsonl file): the caller then names the file, which datasets' error would not."""
+    blank or `[]` json/jsonl file): the caller then names the file, which datasets' error would not. A csv file's
+    `text_columns` are read as written, its other columns with their types guessed (as datasets reads them)."""
     extension = os.path.splitext(path)[1]
     if extension not in FILE_BUILDERS:
         raise DataError(f"{path}: not a {', '.join(FILE_BUILDERS)} file")
@@ -620,8 +621,10 @@ def _read_file(path):
             if f.read().strip() in (b"", b"[]"):
                 return None
     try:
-        if extension == ".csv":  # each cell as written ("007", "1e3", "NA" stay text: no type guessing); blank: None
-            return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str, keep_default_na=False, na_values=[""]))
+        if extension == ".csv":  # prompt and answer as written ("007", "1e3", "NA" stay text); a blank cell: None
+            return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=dict.fromkeys(text_columns, str),
+                                                                keep_default_na=False, na_values=[""],
+                                                                skipinitialspace=True))  # "q, 7": "7"
         return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train")
     except Exception as e:
         raise DataError(f"{path}: not readable as a {extension} file: {e.__cause__ or e!r}") from e  # the parser's

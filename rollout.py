@@ -144,7 +144,7 @@ class HFRollout:
     def _prompt_positions(self, prompt, index):
         """[R, P] positions of one prompt: its own position_ids, or 0..P-1 for a text-only prompt."""
         length, positions, mm = len(prompt["prompt_ids"]), prompt.get("position_ids"), prompt.get("multi_modal_inputs")
-        if not mm and not set(self.banned_ids).isdisjoint(prompt["prompt_ids"]):  # else read as text, unsaid
+        if not mm and not set(self.banned_ids).isdisjoint(map(int, prompt["prompt_ids"])):  # else read as text
             raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): image or video placeholders in prompt_ids "
                              "but no multi_modal_inputs (data.py's processor output)")
         if positions is None and not mm:

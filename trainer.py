@@ -61,8 +61,9 @@ class Run:
         try:  # a mistyped folder or an unreachable hub id: one line now, not a traceback from each worker
             hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=remote)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"worker.actor.model.model_path={model.model_path!r} is neither a model folder with a "
-                              f"config.json nor a hub model id that loads: {str(e).splitlines()[0]}") from None
+            where = "" if os.path.isdir(model.model_path) else " (no such folder, and no hub model id that loads)"
+            raise ConfigError(f"worker.actor.model.model_path={model.model_path!r}{where}: its config does not load: "
+                              f"{(str(e).splitlines() or [repr(e)])[0]}") from None
         try:  # override_config's keys, checked against the model's config now, not in each worker's setup
             if model.override_config:
                 apply_overrides(hf_config, model.override_config)
@@ -90,10 +91,12 @@ class Run:
                               f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
         self.ckpt_root = os.path.abspath(os.path.expanduser(t.save_checkpoint_path or
                                                             f"checkpoints/{t.project_name}/{t.experiment_name}"))
-        if os.path.exists(self.ckpt_root) and not os.path.isdir(self.ckpt_root):
-            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root} is a file, not a folder")
-        os.makedirs(self.ckpt_root, exist_ok=True)  # after the data's checks: a bad row moves no earlier run aside
-        checkpoint = find_checkpoint(self.ckpt_root, t.load_checkpoint_path, t.find_last_checkpoint, t.val_only)
+        try:  # after the data's checks: a bad row moves no earlier run aside
+            os.makedirs(self.ckpt_root, exist_ok=True)
+        except OSError as e:  # a file in the way, no permission
+            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: {e.strerror}") from None
+        load = t.load_checkpoint_path and os.path.expanduser(t.load_checkpoint_path)
+        checkpoint = find_checkpoint(self.ckpt_root, load, t.find_last_checkpoint, t.val_only)
         self.logger = Logger(self.ckpt_root, t.logger, cfg)  # and starts no tracker run
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
@@ -321,11 +324,13 @@ class Run:
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         try:
             self.workers.load(os.path.join(path, "actor"))
-        except RuntimeError as e:  # "same settings": a LoRA or optimizer setting changed, not another run's folder
+        except RuntimeError as e:
+            if isinstance(e.__cause__, ValueError):  # the actor refuses another LoRA or optimizer setting: it says why
+                raise CheckpointError(f"could not resume from {path}: {e.__cause__}") from None
             hint = (" The tracker named it: if trainer.save_checkpoint_path holds another run, pick a new folder, or "
                     "set trainer.find_last_checkpoint=false (its files are moved aside)."
-                    if self.cfg.trainer.load_checkpoint_path is None and "same settings" not in str(e) else "")
-            raise CheckpointError(f"could not resume from {path}: {e}.{hint}") from None
+                    if self.cfg.trainer.load_checkpoint_path is None else "")
+            raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         saved = os.path.join(os.path.dirname(os.path.abspath(path)), "experiment_config.json")
         if os.path.exists(saved):  # allowed (more steps, another learning rate), but said
             old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}
@@ -408,14 +413,14 @@ def timer(metrics, name):
 def _ensure_toy_world(cfg):
     """Build the offline toy world on first use when the config points into .toy/, and make relative paths absolute:
     each is looked up in the working directory, then in this folder (so the toy configs run from any directory)."""
-    m, d, rw, t = cfg.worker.actor.model, cfg.data, cfg.worker.reward, cfg.trainer
+    m, d, rw = cfg.worker.actor.model, cfg.data, cfg.worker.reward
     if any(str(p).startswith(".toy/") for p in (m.model_path, d.train_files, d.val_files)):
         import toy
         toy.ensure_toy(os.path.abspath(".toy") if os.path.isdir(".toy") else os.path.join(HERE, ".toy"))
     for obj, key, sep in ((m, "model_path", "@"), (m, "tokenizer_path", "@"), (d, "format_prompt", "@"),
                           (d, "override_chat_template", "@"), (d, "image_dir", "@"), (d, "train_files", "@"),
-                          (d, "val_files", "@"), (rw, "reward_function", ":"), (t, "load_checkpoint_path", "\0")):
-        path, at, rest = (getattr(obj, key) or "").partition(sep)  # data files: path@split; file.py:fn; \0: none
+                          (d, "val_files", "@"), (rw, "reward_function", ":")):  # data files: path@split; file.py:fn
+        path, at, rest = (getattr(obj, key) or "").partition(sep)
         path = os.path.expanduser(path)  # ~/data (the shell leaves a key=~/... as it is)
         found = next((p for p in (path, os.path.join(HERE, path)) if path and os.path.exists(p)), None)
         if found and (key != "reward_function" or path.endswith(".py")):  # not a folder named like a built-in
@@ -471,6 +476,10 @@ def main(argv=None):
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
+    if cfg.worker.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:  # else each worker fails late
+        print("config error: worker.rollout.name=vllm, but vLLM is not installed: pip install -r requirements-gpu.txt, "
+              "or set worker.rollout.name=hf (transformers' generate; slow)", file=sys.stderr)
+        return 2
     try:
         run = Run(cfg)  # found at start-up: a logger's package, too few batches, no complete checkpoint to resume from
     except (ConfigError, CheckpointError, data.DataError) as e:  # what to change in one line, not a traceback

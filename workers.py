@@ -3,7 +3,6 @@ on the CPU, gloo) hosts the policy (actor.Actor, FSDP2), the reference and the r
 
 import copy
 import dataclasses
-import importlib.util
 import logging
 import os
 import socket
@@ -113,9 +112,6 @@ class WorkerGroup:
         self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world = t.nnodes * t.n_gpus_per_node
         self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
-        if cfg.worker.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:  # else each worker fails
-            raise ConfigError("worker.rollout.name=vllm, but vLLM is not installed: pip install -r requirements-gpu.txt"
-                              ", or set worker.rollout.name=hf (transformers' generate; slow)")
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
             if "RAY_ADDRESS" in os.environ or os.path.exists("/tmp/ray/ray_current_cluster"):  # `ray start --head`
@@ -145,8 +141,8 @@ class WorkerGroup:
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a worker died during {what}: {e}") from None
-        except ray.exceptions.RayTaskError as e:
-            raise RuntimeError(f"a worker failed during {what}:\n{e}") from None
+        except ray.exceptions.RayTaskError as e:  # the worker's own exception stays the cause (Run._resume reads it)
+            raise RuntimeError(f"a worker failed during {what}:\n{e}") from e.cause
 
     def sync_weights(self):
         self._get([w.sync_weights.remote() for w in self.workers], "weight sync")

@@ -308,11 +308,12 @@ def test_numeric_answers_keep_their_written_form_and_nan_is_no_answer(toy, tmp_p
     (tmp_path / "a.csv").write_text("problem,answer\nWhat is 3+4?,7\nmissing?,\nx?,2\n")
     rows = data.load_rows(str(tmp_path / "a.csv"), config(skip_bad_rows=True))
     assert [text.build(rows[i], i, f"r{i}")["ground_truth"] for i in (0, 2)] == ["7", "2"]
-    # a CSV cell is text as written: pandas' type guessing read 007 as 7, 3.10 as 3.1, 1e3 as 1000 and NA as missing
-    (tmp_path / "b.csv").write_text("problem,answer,level\nNA,007,1\nb?,3.10,\nc?,1e3,2\nd?,NA,3\n")
+    # prompt and answer cells as written: type guessing read 007 as 7, 3.10 as 3.1, 1e3 as 1000 and NA as missing;
+    # other columns keep their guessed types (a reward may compare extra["level"] with a number)
+    (tmp_path / "b.csv").write_text("problem,answer,level\nNA,007,1\nb?, 3.10,\nc?,1e3,2.5\nd?,NA,3\n")
     rows = data.load_rows(str(tmp_path / "b.csv"), config())
     assert [(rows[i]["problem"], rows[i]["answer"], rows[i]["level"]) for i in range(4)] == \
-        [("NA", "007", "1"), ("b?", "3.10", None), ("c?", "1e3", "2"), ("d?", "NA", "3")]
+        [("NA", "007", 1.0), ("b?", "3.10", None), ("c?", "1e3", 2.5), ("d?", "NA", 3.0)]  # " 3.10": space skipped
     assert [text.build(rows[i], i, f"r{i}")["ground_truth"] for i in range(4)] == ["007", "3.10", "1e3", "NA"]
 
 

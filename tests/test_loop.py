@@ -544,7 +544,7 @@ def test_a_failing_worker_is_reported_while_another_still_runs(monkeypatch):
     """WorkerGroup._get raises the first failure as soon as it is there: rank 1 fails while rank 0 never returns
     (as when it waits in a collective for rank 1). A plain ray.get of both would wait for rank 0 first."""
     class Failed(Exception):
-        pass
+        cause = None  # RayTaskError's: the worker's own exception
 
     class FakeRay:
         class exceptions:

@@ -408,10 +408,12 @@ def test_empty_prompts_image_prompts_without_mrope_rows_and_max_tokens_0_are_err
         engine.generate([world.prompts[1], text_row], n=1, max_tokens=2)
     text_only = {**world.prompts[1], "position_ids": torch.arange(len(world.prompts[1]["prompt_ids"]))[None]}
     assert len(engine.generate([text_only], n=1, max_tokens=2)) == 1  # a text prompt's one row is all four alike
-    for lost in ({}, None):  # its placeholders were embedded as text and the prompt answered without the image
+    for lost in ({}, None, "tensor ids"):  # its placeholders were embedded as text: answered without the image
+        ids = torch.tensor(image["prompt_ids"]) if lost == "tensor ids" else image["prompt_ids"]
         with pytest.raises(ValueError, match=r"prompt 0 \(uid a\): image or video placeholders in prompt_ids but no "
                                              "multi_modal_inputs"):
-            engine.generate([{**image, "multi_modal_inputs": lost}], n=1, max_tokens=2)
+            engine.generate([{**image, "prompt_ids": ids, "multi_modal_inputs": lost if lost != "tensor ids" else {}}],
+                            n=1, max_tokens=2)
     with pytest.raises(ValueError, match="max_tokens=0"):
         engine.generate(world.prompts, n=1, max_tokens=0)
 

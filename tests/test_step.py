@@ -141,17 +141,22 @@ def test_pass_at_k_filtering_drops_groups_whose_top_is_shared():
 
 
 def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_cause(tmp_path, monkeypatch):
-    """A changed LoRA or optimizer setting: the trainer raised a RuntimeError (a traceback) and appended advice for
-    a folder holding another run; the actor's message already says what to change."""
+    """A changed LoRA or optimizer setting (the actor's ValueError, the cause of the worker group's error): the
+    trainer raised a RuntimeError holding the worker's traceback, with advice for a folder holding another run.
+    Any other failure keeps that advice and stays a RuntimeError."""
     import test_checkpoint
     from run_folder import CheckpointError
 
     monkeypatch.setattr(test_checkpoint.actor, "save_hf_files", lambda *args, **kwargs: None)
     test_checkpoint.save_steps(tmp_path, [1])
-    for cause, hint in (("resume with the same settings, or start a new run", False), ("size mismatch", True)):
+    refusal = ValueError("it holds the state of model.lora.rank=8, this run has model.lora.rank=4: resume with ...")
+    for cause, error in ((refusal, CheckpointError), (KeyError("size mismatch"), RuntimeError)):
         def load(self, path, cause=cause):
-            raise RuntimeError(cause)
+            raise RuntimeError("a worker failed during checkpoint load:\n(pid=1) Traceback ...") from cause
         monkeypatch.setattr(test_checkpoint.FakeWorkers, "load", load)
-        with pytest.raises(CheckpointError, match=f"could not resume from .*global_step_1: {cause}") as caught:
+        with pytest.raises(error) as caught:
             test_checkpoint.fake_run(tmp_path, test_checkpoint.make_cfg())
-        assert ("trainer.find_last_checkpoint=false" in str(caught.value)) == hint
+        text = str(caught.value)
+        assert text.startswith(f"could not resume from {tmp_path / 'global_step_1'}: ")
+        assert ("Traceback" in text) == ("find_last_checkpoint=false" in text) == (error is RuntimeError), text
+        assert error is RuntimeError or ("\n" not in text and text.endswith(str(refusal)))

@@ -244,29 +244,29 @@ def test_rows_with_more_images_than_limit_images_stop_the_run_before_ray(tmp_pat
 
 def test_start_up_mistakes_with_paths_and_packages_are_one_line_errors_before_ray(tmp_path, monkeypatch, capsys, toy):
     """A mistyped model folder (or a hub id offline) gave a transformers traceback about repo ids from the first
-    worker; a checkpoint path that is a file, os.makedirs' FileExistsError; a missing vLLM, a worker's traceback
+    worker; a checkpoint path under a file, os.makedirs' FileExistsError; a missing vLLM, a worker's traceback
     after the models loaded; a `~/...` path, a folder named `~` in the working directory."""
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the mistake was found"))
+    monkeypatch.setattr(trainer, "Logger", lambda *a: pytest.fail("the log files were opened before the mistake"))
     (tmp_path / "a_file").write_text("")
     (tmp_path / "empty").mkdir()
-    cases = [("worker.actor.model.model_path=.toy/vl_wram", "worker.actor.model.model_path='.toy/vl_wram' is "
-              "neither a model folder with a config.json nor a hub model id that loads: "),
-             (f"worker.actor.model.model_path={tmp_path / 'empty'}", "is neither a model folder with a config.json"),
-             (f"trainer.save_checkpoint_path={tmp_path / 'a_file'}", f"{tmp_path / 'a_file'} is a file, not a folder")]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    cases = [("worker.actor.model.model_path=.toy/vl_wram", "worker.actor.model.model_path='.toy/vl_wram' (no such "
+              "folder, and no hub model id that loads): its config does not load: "),
+             (f"worker.actor.model.model_path={tmp_path / 'empty'}", "empty': its config does not load: "),
+             (f"trainer.save_checkpoint_path={tmp_path / 'a_file'}", f"{tmp_path / 'a_file'}: File exists"),
+             (f"trainer.save_checkpoint_path={tmp_path / 'a_file' / 'run'}", "a_file/run: Not a directory"),
+             ("worker.rollout.name=vllm", "worker.rollout.name=vllm, but vLLM is not installed")]
     for override, message in cases:
         assert trainer.main([f"trainer.save_checkpoint_path={tmp_path / 'run'}", override]) == 2, override
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0], (override, err)
-    if importlib.util.find_spec("vllm") is None:  # the worker group's first check
-        import workers
-        monkeypatch.setattr(workers.ray, "is_initialized", lambda: pytest.fail("Ray started before the check"))
-        with pytest.raises(ConfigError, match="worker.rollout.name=vllm, but vLLM is not installed"):
-            workers.WorkerGroup(load_config(None, ["trainer.device=cpu"]), 1)
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(trainer, "WorkerGroup", mock.Mock(side_effect=RuntimeError("stop here")))
+    monkeypatch.setattr(trainer, "Logger", run_folder_logger := mock.Mock(side_effect=RuntimeError("stop here")))
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.Run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["trainer.save_checkpoint_path=~/home_run"]))
-    assert (tmp_path / "home_run" / "experiment_log.jsonl").exists()
+    assert run_folder_logger.call_args[0][0] == str(tmp_path / "home_run") and (tmp_path / "home_run").is_dir()
 
 
 def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):

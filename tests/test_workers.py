@@ -176,3 +176,15 @@ def test_a_phases_peak_counts_what_it_allocated_last(monkeypatch):
             pass
         used[0] = 10 * 2**30  # and exits at once, long before the poller's next 5 ms reading
     assert memory == {"sync": 10.0}
+
+
+def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_exception(monkeypatch):
+    """Run._resume tells the actor's refusal of a checkpoint (a ValueError) from a crash by the cause."""
+    group = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    refusal = ValueError("another LoRA rank")
+    monkeypatch.setattr(workers.ray, "wait", lambda refs, num_returns: (refs[:1], refs[1:]))
+    monkeypatch.setattr(workers.ray, "get", lambda refs: (_ for _ in ()).throw(
+        workers.ray.exceptions.RayTaskError("Worker.load", "Traceback ...\nValueError: another LoRA rank", refusal)))
+    with pytest.raises(RuntimeError, match="a worker failed during checkpoint load:") as caught:
+        group._get(["ref"], "checkpoint load")
+    assert caught.value.__cause__ is refusal
