@@ -359,7 +359,8 @@ def _merge(cfg, layer, source, replace_dicts):
         leaves = {k.split(".")[-1]: k for k in reversed(KEYS)}  # last part -> the first key ending in it
         tried, sub = e.full_key, OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False)
         while isinstance(sub, DictConfig) and len(sub):  # a mistyped section (worker.actr.optim.lr): its first key
-            tried, sub = f"{tried}.{next(iter(sub))}", sub[next(iter(sub))]
+            key = next(iter(sub))
+            tried, sub = f"{tried}.{key}", sub[key]
         close = difflib.get_close_matches(tried, KEYS, n=1, cutoff=0.5) or [
             leaves[m] for m in difflib.get_close_matches(e.full_key.split(".")[-1], leaves, n=1, cutoff=0.6)]
         hint = EASYR1_ONLY.get(e.full_key) or (f" did you mean {close[0]}?" if close else "")
