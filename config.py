@@ -274,6 +274,11 @@ def check_config(cfg):
         raise ConfigError(f"worker.actor.max_grad_norm={a.max_grad_norm} (0: no clipping), clip_ratio_low="
                           f"{a.clip_ratio_low}, clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap={a.tis_cap} (> 0 "
                           f"or null): out of range (a negative one reverses or stops the gradient)")
+    if min(alg.kl_coef, (o := a.optim).weight_decay, o.lr_warmup_steps or 0) < 0 or not 0 <= o.lr_warmup_ratio <= 1 \
+            or not 0 <= (o.min_lr_ratio or 0) <= 1:  # beta < 0 pushes away from the reference; a ratio > 1 lifts lr
+        raise ConfigError(f"algorithm.kl_coef={alg.kl_coef}, worker.actor.optim.weight_decay={o.weight_decay}, "
+                          f"lr_warmup_steps={o.lr_warmup_steps} (>= 0), lr_warmup_ratio={o.lr_warmup_ratio}, "
+                          f"min_lr_ratio={o.min_lr_ratio} (in [0, 1]): out of range")
     if len(a.optim.betas) != 2 or not all(0 <= b < 1 for b in a.optim.betas):  # AdamW: IndexError or ValueError
         raise ConfigError(f"worker.actor.optim.betas={a.optim.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
     if (lora := a.model.lora).rank < 0 or lora.rank and lora.alpha <= 0:  # alpha 0 zeroes every adapter's output
@@ -335,6 +340,9 @@ def check_config(cfg):
             != d.max_response_length:  # DAPO's overlong penalty then starts and ends elsewhere than the cut
         logger.warning("worker.reward.reward_function_kwargs.max_response_length=%s, data.max_response_length=%d: "
                        "the reward's length limit is not the rollout's", length, d.max_response_length)
+    if o.min_lr_ratio and o.lr_scheduler_type == "constant":  # as in EasyR1, but a floor set suggests a decay
+        logger.warning("worker.actor.optim.min_lr_ratio=%s does nothing under lr_scheduler_type=constant: set "
+                       "lr_scheduler_type=cosine to decay to it", o.min_lr_ratio)
     if a.fsdp.mp_param_dtype in ("fp16", "float16") or a.fsdp.torch_dtype in ("fp16", "float16"):
         logger.warning("worker.actor.fsdp mp_param_dtype=%s, torch_dtype=%s: fp16 training has no loss scaling "
                        "here, so gradients below fp16's range vanish and activations may overflow: use bf16 where the "

@@ -105,10 +105,10 @@ class PromptLoader(collections.abc.Iterator):
     `batch_size` (-1: all rows); drop_last drops the short tail. state_dict() saves the position (current_epoch,
     batch): a resumed loader yields the batches an uninterrupted one would."""
 
-    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False,
+    def __init__(self, files, cfg, processor, model, *, batch_size, shuffle, drop_last, trust_remote_code=False,
                  prefetch=False):
         processor = copy.deepcopy(processor) if prefetch else processor
-        self.builder = PromptBuilder(cfg, processor, model_path, trust_remote_code)
+        self.builder = PromptBuilder(cfg, processor, model, trust_remote_code)
         self.rows = load_rows(files, cfg)
         self.indices = check_rows(self.rows, self.builder, cfg.filter_overlong_prompts_workers, cfg.skip_bad_rows)
         self.videos_per_prompt = self.rows.most_items(cfg.video_key)  # for the rollout engine's limits
@@ -235,16 +235,18 @@ def _overlong(where, length, limit):
 
 class PromptBuilder:
     """One row -> one prompt dict. Holds the processor (the tokenizer for text models), the format template
-    and, for Qwen-VL models, a weightless copy of the model whose get_rope_index gives the mrope rows."""
+    and, for Qwen-VL models, a weightless copy of the model whose get_rope_index gives the mrope rows. `model`: its
+    folder or hub id, or its loaded config (trainer.py's, with model.override_config applied as vLLM applies it)."""
 
-    def __init__(self, cfg, processor, model_path, trust_remote_code=False):
+    def __init__(self, cfg, processor, model, trust_remote_code=False):
         if cfg.min_pixels > cfg.max_pixels:
             raise ValueError(f"data.min_pixels={cfg.min_pixels} is larger than data.max_pixels={cfg.max_pixels}")
         self.cfg, self.processor, self.tokenizer = cfg, processor, getattr(processor, "tokenizer", processor)
         self.image_processor, self.rope_model, self.video_span = getattr(processor, "image_processor", None), None, None
         if self.image_processor is not None:
             # on the meta device: get_rope_index reads only the config, so positions are the model's own per family
-            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code) if isinstance(model, str) \
+                else model
             with torch.device("meta"):
                 self.rope_model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
             if not hasattr(self.rope_model, "get_rope_index"):

@@ -72,10 +72,10 @@ class Run:
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)
         batch = d.mini_rollout_batch_size or d.rollout_batch_size  # prompts a generation round
-        self.train_loader = data.PromptLoader(d.train_files, d, self.processor, model.model_path, batch_size=batch,
+        self.train_loader = data.PromptLoader(d.train_files, d, self.processor, hf_config, batch_size=batch,
                                               shuffle=d.shuffle, drop_last=True, trust_remote_code=remote,
                                               prefetch=True)  # the next batch is built while this one trains
-        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, model.model_path, shuffle=False,
+        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, hf_config, shuffle=False,
                                             batch_size=d.val_batch_size, drop_last=False, trust_remote_code=remote)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
@@ -436,6 +436,7 @@ def check_choices(cfg):
                "worker.actor.loss_type": (a.loss_type, actor.POLICY_LOSS_TYPES),
                "worker.actor.loss_avg_mode": (a.loss_avg_mode, actor.AGGREGATION_MODES),
                "worker.rollout.name": (cfg.worker.rollout.name, rollout.ENGINES),
+               "worker.rollout.dtype": (cfg.worker.rollout.dtype, rollout.DTYPES),
                **{f"{section}.{key}": (getattr(fsdp, key), actor.DTYPES) for section, fsdp in fsdps.items()
                   for key in ("torch_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype")
                   if getattr(fsdp, key) is not None}}

@@ -212,6 +212,7 @@ def test_worker_count_that_does_not_divide_the_batch_fails_at_load():
     ("worker.ref.fsdp.mp_buffer_dtype=fp16", "worker.ref.fsdp.mp_buffer_dtype=fp16: buffers"),
     ("worker.ref.fsdp.torch_dtype=fp32", "worker.ref.fsdp.torch_dtype=fp32: the reference stores its weights"),
     ("worker.actor.fsdp.torch_dtype=fp64", "worker.actor.fsdp.torch_dtype='fp64' is not one of"),
+    ("worker.rollout.dtype=int8", "worker.rollout.dtype='int8' is not one of"),  # was each worker's traceback
     ("trainer.logger=[console,neptune]", "trainer.logger has ['neptune']"),
 ])
 def test_keys_that_were_silently_ignored_now_fail_with_a_message(override, message):
@@ -666,6 +667,11 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     ("worker.rollout.top_p=1.5", "top_p=1.5 (in (0, 1])"),  # vLLM would refuse it at the first generation
     ("worker.actor.clip_ratio_low=-0.1", "clip_ratio_low=-0.1"),  # 1 - (-0.1) would widen the trust region
     ("data.seed=8796093022208", "data.seed=8796093022208 must be below 2**43"),  # 2**43 itself is out
+    ("algorithm.kl_coef=-0.5", "algorithm.kl_coef=-0.5, worker"),  # away from the reference
+    ("worker.actor.optim.weight_decay=-1", "weight_decay=-1.0"),  # adamw_bf16 would grow the weights
+    ("worker.actor.optim.lr_warmup_steps=-4", "lr_warmup_steps=-4 (>= 0)"),
+    ("worker.actor.optim.lr_warmup_ratio=1.5", "lr_warmup_ratio=1.5"),  # lr would reach 0.6 x its peak at the end
+    ("worker.actor.optim.min_lr_ratio=2", "min_lr_ratio=2.0 (in [0, 1])"),  # cosine would climb to 2 x the peak
 ])
 def test_values_just_outside_their_range_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -674,11 +680,14 @@ def test_values_just_outside_their_range_are_config_errors(override, message):
 
 def test_top_k_one_warns_a_mini_batch_that_divides_does_not_and_a_list_after_a_space_is_one_list(caplog):
     """top_k=1 samples from a truncated distribution (greedy) as any top_k does; mini_rollout_batch_size 256 of
-    512 wastes no prompt. `trainer.logger= [console,file]` (a space after =) is [console, file], not nested."""
+    512 wastes no prompt; a cosine floor loads silently, a floor under the constant schedule (ignored) is warned of. `trainer.logger= [console,file]` (a space after =) is [console, file], not nested."""
     with caplog.at_level(logging.WARNING, logger="config"):
         load_config(None, ["worker.rollout.top_k=1"])
         assert "top_k=1: responses are sampled from the truncated distribution" in caplog.text
         caplog.clear()
-        load_config(None, ["data.mini_rollout_batch_size=256"])
-        assert "does not divide" not in caplog.text
+        load_config(None, ["data.mini_rollout_batch_size=256", "worker.actor.optim.min_lr_ratio=0.1",
+                           "worker.actor.optim.lr_scheduler_type=cosine", "worker.actor.optim.lr_warmup_ratio=1"])
+        assert not caplog.text
+        load_config(None, ["worker.actor.optim.min_lr_ratio=1", "algorithm.kl_coef=0"])  # a floor at the peak
+        assert "min_lr_ratio=1.0 does nothing under lr_scheduler_type=constant" in caplog.text
     assert load_config(None, ["trainer.logger= [console,file]"]).trainer.logger == ["console", "file"]

@@ -350,6 +350,23 @@ def test_qwen2_5_vl_video_times_follow_the_sampled_fps(toy):
     assert p["position_ids"][1:, k + n].tolist() == [k + 25] * 3
 
 
+def test_video_times_follow_an_overridden_tokens_per_second(toy):
+    """data.py builds positions from the config it is handed: trainer.py's, with model.override_config applied, as
+    vLLM applies it. tokens_per_second 8 (the toy's: 4) doubles the time rows above: 0, 16, 32, 48."""
+    from transformers import AutoConfig
+
+    from modeling import apply_overrides
+    hf_config = AutoConfig.from_pretrained(toy["vl_model"])
+    apply_overrides(hf_config, {"vision_config": {"tokens_per_second": 8}})
+    cfg = config(min_pixels=3136, max_pixels=3136, max_prompt_length=8192, video_fps=1.0)
+    b = data.PromptBuilder(cfg, data.load_processor(toy["vl_model"], cfg)[0], hf_config)
+    p = b.build({"problem": "<video>Which colour comes last?", "answer": "red",
+                 "videos": [clip(32, size=(56, 56), fps=4)]}, 0, "r0")
+    pad = b.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    k, n = p["prompt_ids"].index(pad), p["prompt_ids"].count(pad)
+    assert sorted({t - k for t in p["position_ids"][1, k:k + n].tolist()}) == [0, 16, 32, 48]
+
+
 def test_a_video_file_cut_after_its_header_is_an_error_and_one_without_a_frame_count_reads(tmp_path):
     """An MP4 whose index comes first (faststart) cut to half: the header announces 16 frames, fewer decode -> an
     error, not fewer frames under the header's indices. A Matroska file announces no frame count: its 8 frames

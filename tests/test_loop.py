@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+import transformers
 
 import run_folder
 import trainer
@@ -19,9 +20,9 @@ from config import ActorConfig, ConfigError, OptimConfig, load_config
 
 
 class FakeLoader:
-    def __init__(self, files, cfg, processor, model_path, *, batch_size, shuffle, drop_last, trust_remote_code=False,
+    def __init__(self, files, cfg, processor, model, *, batch_size, shuffle, drop_last, trust_remote_code=False,
                  prefetch=False):
-        self.rows = 2048 if "train" in files else 601
+        self.rows, self.model = 2048 if "train" in files else 601, model
         self.batch_size, self.drop_last, self.trust_remote_code = batch_size, drop_last, trust_remote_code
         self.batches_per_epoch = self.rows // batch_size
         self.videos_per_prompt = self.images_per_prompt = 0
@@ -85,6 +86,16 @@ def test_trust_remote_code_reaches_processor_loaders_and_rollout(tmp_path, fake_
     workers.Worker().setup(run.cfg, 0, 1, ("127.0.0.1", 0), "cpu", 10)
     assert seen["actor"] is True and seen["ref"] is True and seen["rollout"].trust_remote_code is True
     assert run.cfg.worker.rollout.name == "vllm" and not hasattr(run.cfg.worker.rollout, "trust_remote_code")
+
+
+def test_the_loaders_position_tokens_under_override_config(tmp_path, fake_stages, monkeypatch, toy):
+    """data.py's mrope rows come from the config the loaders get: the model's with model.override_config applied,
+    as vLLM positions its tokens (tokens_per_second sets Qwen2.5-VL's video times; the toy's is 4)."""
+    monkeypatch.setattr(trainer, "AutoConfig", transformers.AutoConfig)
+    run = make_run(tmp_path, f"worker.actor.model.model_path={toy['vl_model']}",
+                   "worker.actor.model.override_config={vision_config: {tokens_per_second: 8}}")
+    assert run.train_loader.model.vision_config.tokens_per_second == 8
+    assert run.val_loader.model.vision_config.tokens_per_second == 8
 
 
 # --- loggers -------------------------------------------------------------------------------------

@@ -359,3 +359,22 @@ def test_offload_moves_parameters_and_optimizer_state_off_the_gpu(toy, tmp_path,
     assert without["update"][0] == {"cuda"} and without["update"][1] == {"cuda"}, without["update"]
     for name, tensor in results[True][1].items():
         torch.testing.assert_close(tensor, results[False][1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_unsharded_reference_with_cpu_offload_waits_in_host_memory(toy):
+    """One worker whose reference computes in its stored dtype (no process group: the module is not sharded):
+    fsdp.enable_cpu_offload, the reference's default, keeps its parameters in host memory between passes, as
+    offload.offload_params does (it stayed on the GPU), and the log-probs equal those of a reference kept there."""
+    from test_actor_update import make_cfg
+
+    samples, out = text_samples(), {}
+    for offload in (True, False):
+        ref = actor_module.Actor(make_cfg(toy["text_model"], **{"fsdp.enable_cpu_offload": offload}), role="ref",
+                                 device="cuda", max_prompt_length=16, max_response_length=8, n_per_prompt=2)
+        places = {"host" if p.untyped_storage().nbytes() == 0 else p.device.type for p in ref.module.parameters()}
+        assert not ref.sharded and places == ({"host"} if offload else {"cuda"}), places
+        out[offload] = ref.compute_log_probs(samples)
+        del ref
+    for with_offload, without in zip(out[True], out[False]):
+        assert torch.equal(with_offload, without)
