@@ -316,6 +316,10 @@ def check_config(cfg):
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off; n and top_k "
                               f"integers): out of range")
+    if r.max_model_len is not None and r.max_model_len < d.max_prompt_length + d.max_response_length:
+        raise ConfigError(f"worker.rollout.max_model_len={r.max_model_len} is below data.max_prompt_length + "
+                          f"max_response_length = {d.max_prompt_length + d.max_response_length}: vLLM would refuse "
+                          "the longest prompts mid-run and cut responses short (null: their sum)")
     if r.temperature < 1e-5:  # 0: NaN log-probs; vLLM samples greedily below 1e-5
         raise ConfigError(f"worker.rollout.temperature={r.temperature}: training samples at a temperature >= 1e-5 "
                           "(log-probs divide the logits by it); greedy decoding is for validation: val_override_config")

@@ -6,7 +6,8 @@
 
 A reward input (one per response):
     response:        str   the decoded response (special tokens skipped: worker.reward.skip_special_tokens)
-    response_length: int   its length in tokens
+    response_length: int   its length in tokens, the EOS included when it stopped
+    finish_reason:   str   "stop" (it ended with an EOS) or "length" (cut at data.max_response_length)
     ground_truth:    str   the row's answer (a list or dict answer as it is)
     prompt:          str   the chat-templated prompt (system message, format template, vision placeholders)
     extra:           dict  the row's other columns (e.g. a difficulty or a task type)

@@ -254,8 +254,9 @@ class Run:
         """Decode and score every response on the driver (strings in, dicts of floats out)."""
         skip, pairs = self.cfg.worker.reward.skip_special_tokens, [(r, prompts[r["prompt_index"]]) for r in responses]
         return self.reward_fn([{"response": self.tokenizer.decode(r["response_ids"], skip_special_tokens=skip),
-                                "response_length": len(r["response_ids"]), "ground_truth": p["ground_truth"],
-                                "prompt": p["prompt_text"], "extra": p.get("extra", {})} for r, p in pairs])
+                                "response_length": len(r["response_ids"]), "finish_reason": r["finish_reason"],
+                                "ground_truth": p["ground_truth"], "prompt": p["prompt_text"],
+                                "extra": p.get("extra", {})} for r, p in pairs])
 
     def validate(self):
         self.workers.sync_weights()

@@ -573,6 +573,7 @@ def test_the_edges_of_the_allowed_ranges_load():
     prompt for estimators without groups."""
     assert load_config(None, ["data.mini_rollout_batch_size=512"]).data.mini_rollout_batch_size == 512
     assert load_config(None, ["data.val_batch_size=-1"]).data.val_batch_size == -1
+    assert load_config(None, ["worker.rollout.max_model_len=4096"]).worker.rollout.max_model_len == 4096  # 2048 x 2
     for estimator in ("reinforce_plus_plus", "remax"):
         load_config(None, [f"algorithm.adv_estimator={estimator}", "worker.rollout.n=1"])
 
@@ -672,6 +673,7 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     ("worker.actor.optim.lr_warmup_steps=-4", "lr_warmup_steps=-4 (>= 0)"),
     ("worker.actor.optim.lr_warmup_ratio=1.5", "lr_warmup_ratio=1.5"),  # lr would reach 0.6 x its peak at the end
     ("worker.actor.optim.min_lr_ratio=2", "min_lr_ratio=2.0 (in [0, 1])"),  # cosine would climb to 2 x the peak
+    ("worker.rollout.max_model_len=4095", "max_model_len=4095 is below data.max_prompt_length + max_response_length"),
 ])
 def test_values_just_outside_their_range_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

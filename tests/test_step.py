@@ -66,14 +66,16 @@ def test_remax_baseline_is_one_greedy_response_per_prompt_keyed_by_its_uid():
 
 
 def test_score_hands_each_response_its_own_prompts_ground_truth_and_skip_special_tokens():
-    """Responses of prompts 1 then 0: the reward function sees g1 then g0, decoded with skip_special_tokens false."""
+    """Responses of prompts 1 then 0: the reward function sees g1 then g0, decoded with skip_special_tokens false,
+    and whether each was cut at max_response_length (a cut response can decode as a finished one)."""
     run = bare_run("worker.reward.skip_special_tokens=false")
     run.tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: f"{ids}|{skip_special_tokens}")
     run.reward_fn = lambda rows: rows
     prompts = [{"ground_truth": "g0", "prompt_text": "p0"}, {"ground_truth": "g1", "prompt_text": "p1"}]
-    rows = run.score(prompts, [{"prompt_index": 1, "response_ids": [5, 6]}, {"prompt_index": 0, "response_ids": [7]}])
-    assert [(r["ground_truth"], r["prompt"], r["response"], r["response_length"]) for r in rows] == [
-        ("g1", "p1", "[5, 6]|False", 2), ("g0", "p0", "[7]|False", 1)]
+    rows = run.score(prompts, [{"prompt_index": 1, "response_ids": [5, 6], "finish_reason": "length"},
+                               {"prompt_index": 0, "response_ids": [7], "finish_reason": "stop"}])
+    assert [(r["ground_truth"], r["prompt"], r["response"], r["response_length"], r["finish_reason"])
+            for r in rows] == [("g1", "p1", "[5, 6]|False", 2, "length"), ("g0", "p0", "[7]|False", 1, "stop")]
 
 
 def test_dr_grpo_advantages_are_not_divided_by_the_std_and_disable_kl_skips_the_reference_pass():
