@@ -324,7 +324,8 @@ class Actor:
         over optimizer steps); token means of actor/entropy (the true entropy), actor/ppo_kl, actor/pg_clipfrac_higher,
         actor/pg_clipfrac_lower and the TIS metrics of policy_loss; actor/grad_norm (mean of the finite norms before
         clipping), actor/lr (last step), actor/skipped_steps, actor/tokens (response tokens per epoch); on CUDA
-        perf/mfu_actor (this rank's counted FLOPs / time / peak) and perf/max_memory_allocated_gb."""
+        perf/mfu_actor (this rank's counted FLOPs / time / peak) and perf/max_memory_allocated_gb. Weights left
+        non-finite (by steps of finite gradients) raise FloatingPointError before anything syncs or saves them."""
         if self.optimizer is None:
             raise RuntimeError("Actor.update: this is the reference (role='ref'); it has no optimizer")
         c = self.cfg
@@ -376,6 +377,13 @@ class Actor:
                         sums[name + "@tokens"] += value.sum().double() * real
                 grad_norms.append(self._optimizer_step())
 
+        weights = torch.nn.utils.get_total_norm([p for p in self.module.parameters() if p.requires_grad])
+        if not math.isfinite(float(weights.full_tensor() if hasattr(weights, "full_tensor") else weights)):
+            bad = [n for n, p in self.module.named_parameters()
+                   if p.requires_grad and not full_tensor(p, self.device).isfinite().all()]
+            raise FloatingPointError(f"Actor.update: the weights are not finite after this step's update (in {bad[:3]};"
+                                     f" gradient norms {grad_norms}): stopped before they are synced, validated or "
+                                     "saved, so the last checkpoint is intact; lower worker.actor.optim.lr")
         self.offload()
         names = sorted(sums)
         totals = self._all_ranks([float(sums[n]) for n in names] + [tokens])

@@ -282,26 +282,27 @@ class Run:
         a resume cuts the log back to the rows of steps up to N (Logger.rewind), so each step's row is there once."""
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
-        with timer(metrics, "save_checkpoint"):
-            remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
-            if os.path.exists(path):  # merge.py's output of those weights, kept: not beside the new ones
-                move_aside(self.ckpt_root, f"step {self.step} is saved again", [os.path.basename(path)])
-            try:
+        try:
+            with timer(metrics, "save_checkpoint"):
+                remove_checkpoint(path)  # left by a run that stopped while saving this step, or one resumed earlier
+                if os.path.exists(path):  # merge.py's output of those weights, kept: not beside the new ones
+                    move_aside(self.ckpt_root, f"step {self.step} is saved again", [os.path.basename(path)])
                 self.workers.save(os.path.join(path, "actor"), model_only=t.save_model_only)
                 if self.cfg.data.override_chat_template:  # the template trained with, for merge.py's model
                     self.processor.save_pretrained(os.path.join(path, "actor", "huggingface"))
                 torch.save(self.train_loader.state_dict(), os.path.join(path, "dataloader.pt"))
-            except (RuntimeError, OSError) as e:  # a full disk reads "unexpected pos" in torch.save
-                raise RuntimeError(f"saving the checkpoint of step {self.step} to {path} failed with "
-                                   f"{shutil.disk_usage(self.ckpt_root).free / 2**30:.1f} GiB free on its disk; "
-                                   f"the last complete checkpoint is still there: {e}") from None
-        self._keep_best(metrics)
-        self.logger.log(metrics, self.step)
-        self.logger.flush()  # the step's rows on disk before its checkpoint counts
-        state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "kl_type": self.cfg.algorithm.kl_type,
-                 "resumable": not t.save_model_only, **self.best}
-        write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
-        write_atomic(os.path.join(self.ckpt_root, TRACKER), json.dumps({"last_global_step": self.step, **self.best}))
+            self._keep_best(metrics)
+            self.logger.log(metrics, self.step)
+            self.logger.flush()  # the step's rows on disk before its checkpoint counts
+            state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "kl_type": self.cfg.algorithm.kl_type,
+                     "resumable": not t.save_model_only, **self.best}
+            write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
+            tracker = json.dumps({"last_global_step": self.step, **self.best})
+            write_atomic(os.path.join(self.ckpt_root, TRACKER), tracker)  # the checkpoint counts from here
+        except (RuntimeError, OSError) as e:  # a full disk (torch.save's "unexpected pos", a log row, the tracker)
+            raise RuntimeError(f"saving the checkpoint of step {self.step} to {path} failed with "
+                               f"{shutil.disk_usage(self.ckpt_root).free / 2**30:.1f} GiB free on its disk; "
+                               f"the last complete checkpoint is still there: {e}") from None
         remove_old_checkpoints(self.ckpt_root, self.step, self.best["best_global_step"], t.save_limit)
 
     def _keep_best(self, metrics):

@@ -278,6 +278,11 @@ def test_nan_gradient_skips_the_step(toy, samples):
     assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
     after = params_of(actor)
     assert any(not torch.equal(after[n], before[n]) for n in before)
+    # Weights that a step of finite gradients makes non-finite stop the run before they are synced or saved.
+    step = actor.optimizer.step
+    actor.optimizer.step = lambda: (step(), victim.data.view(-1)[:3].fill_(float("nan")))
+    with pytest.raises(FloatingPointError, match=r"not finite after .* \['model.language_model.layers.0.mlp.up_proj"):
+        actor.update([dict(s) for s in samples])
 
 
 @pytest.mark.parametrize("key", ["old_logprobs", "ref_logprobs", "advantage"])

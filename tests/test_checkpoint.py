@@ -472,19 +472,22 @@ def test_a_kill_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monk
 # Checkpoint rotation: save_limit, the best checkpoint kept
 # ----------------------------------------------------------------------------------------------
 
-def test_a_failed_save_says_where_and_how_much_disk_is_left_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    """torch.save on a full disk fails as "unexpected pos 704 vs 598": the error names the step, the folder and the
-    free space; the earlier checkpoint still resumes."""
+@pytest.mark.parametrize("failing", ["workers", "tracker"])
+def test_a_failed_save_says_where_and_how_much_disk_is_left_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                           failing):
+    """torch.save on a full disk fails as "unexpected pos 704 vs 598", the tracker's write (after the step's row) as
+    ENOSPC: the error names the step, the folder and the free space; the earlier checkpoint still resumes."""
     save_steps(tmp_path, [1])
     run = fake_run(tmp_path, make_cfg())
 
-    def full_disk(path, model_only):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") \
+            if failing == "workers" else OSError(28, "No space left on device")
 
-    monkeypatch.setattr(run.workers, "save", full_disk)
+    monkeypatch.setattr(*(run.workers, "save") if failing == "workers" else (trainer, "write_atomic"), full_disk)
     run.step = 2
     with pytest.raises(RuntimeError, match=r"checkpoint of step 2 to .*global_step_2 failed with [0-9.]+ GiB free "
-                                           r"on its disk; the last complete checkpoint is still there: .*unexpected"):
+                                           r"on its disk; the last complete checkpoint is still there: .*(unex|No sp)"):
         run.save_checkpoint({})
     run.logger.close()
     assert fake_run(tmp_path, make_cfg()).step == 1
