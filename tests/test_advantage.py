@@ -494,3 +494,21 @@ def test_token_rewards_check_every_length():
 def test_adaptive_kl_controller_refuses_a_zero_horizon_when_built():
     with pytest.raises(ValueError, match=re.escape("target_kl=6.0 and horizon=0 must be > 0")):
         advantage.AdaptiveKLController(0.1, 6.0, 0)
+
+
+def test_second_mutation_pass_edges_negative_scores_near_flat_groups_inf_and_the_limits():
+    """grpo_passk with every other score negative (DAPO's -1): second best -1, mean -0.5, unbiased std
+    sqrt((2.25 + 3 x 0.25) / 3) = 1, so the top gets (1 - (-1)) / (1 + 1e-6); a unique top 5e-7 above the rest is a
+    flat group (spread <= 1e-6): 0. An inf score is refused like NaN. The adaptive controller takes n_steps just
+    below 5 x horizon: 450 at horizon 100 with KL 0 gives beta x (1 - 0.2 x 4.5). REINFORCE++ whitening of a batch
+    whose spread is exactly 1e-6 gives 0."""
+    got = advantage.grpo_passk([1.0, -1.0, -1.0, -1.0], ["q"] * 4)
+    assert torch.allclose(got, torch.tensor([2 / (1 + 1e-6), 0.0, 0.0, 0.0]), atol=1e-6, rtol=0)
+    assert torch.equal(advantage.grpo_passk([1.0, 1.0 - 5e-7], ["q"] * 2), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"score inf at position 1 \(uid 'a'\) is not finite"):
+        compute_advantages("grpo", [1.0, math.inf], ["a", "a"])
+    ctl = advantage.AdaptiveKLController(0.1, 6.0, 100)
+    ctl.update(0.0, 450)
+    assert ctl.value == pytest.approx(0.01, abs=1e-15)
+    flat = compute_advantages("reinforce_plus_plus", [1e-6, 0.0], ["a", "b"], lengths=[1, 1])
+    assert [a.tolist() for a in flat] == [[0.0], [0.0]]

@@ -209,6 +209,7 @@ DAPO_KW = {"max_response_length": 100, "overlong_buffer_length": 20, "overlong_p
     ("Answer: 4" + " " * 300, "4", -1),                          # outside the last 300 characters
     ("x" * 10_000 + "Answer: 4", "4", 1), ("", "4", -1), ("Answer: 5 degrees", "5", 1),
     ("Answer: 1000", "1,000", 1),                                # the ground truth is normalised too
+    ("Answer: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1), ("Answer: \\sqrt2", "\\sqrt{2}", 1),
 ])
 def test_dapo_accuracy(response, truth, acc):
     got = reward.dapo_reward(sample(response, truth, response_length=10), **DAPO_KW)
@@ -474,6 +475,8 @@ def test_a_grader_timeout_beyond_what_sigalrm_takes_still_grades(timeout):
     ("x\\text{and}y", "x,y"), ("x,\\text{and}y", "x,y"), ("a dog", "dog"),    # "and" as a comma; the article "a "
     ("\t7\n", "7"),                                                             # white space other than " " stripped
     ("$5.$", "5"),                                                              # ".$" -> "$" before the $ go
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the box's last brace, not its first inner one, closes it
+    ("\\sqrt{2}", "\\sqrt{2}"),                   # already braced: left alone (\sqrt2 -> \sqrt{2} above)
 ])
 def test_minerva_normalize_wrappers_articles_and_white_space(raw, normalized):
     assert reward.minerva_normalize(raw) == normalized

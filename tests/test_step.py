@@ -90,13 +90,17 @@ def test_dr_grpo_advantages_are_not_divided_by_the_std_and_disable_kl_skips_the_
 
 
 def test_throughput_is_per_gpu_over_all_nodes():
-    """2 nodes x 1 GPU, one sample of 3 + 1 tokens in a 2 s step: 4 tokens / 2 s / 2 GPUs = 1 token/s a GPU."""
+    """2 nodes x 1 GPU, one sample of 3 + 1 tokens in a 2 s step: 4 tokens / 2 s / 2 GPUs = 1 token/s a GPU; in a
+    0.25 s step (the toy's are under a second) 8. A statistic's minimum may be its first value."""
     cfg = load_config(None, ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
     responses = [{"prompt_index": 0, "response_ids": [5], "finish_reason": "stop"}]
     samples = [{"prompt_ids": [7] * 3, "response_ids": [5], "rollout_logprobs": torch.tensor([-1.0]),
                 "old_logprobs": torch.tensor([-1.0])}]
     out = trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 2.0})
     assert out["perf/throughput"] == pytest.approx(1.0)
+    out = trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 0.25})
+    assert out["perf/throughput"] == pytest.approx(8.0)
+    assert trainer._stats("x", [0, 1, 2]) == {"x/mean": 1.0, "x/max": 2, "x/min": 0}
 
 
 def test_an_adaptive_kl_type_builds_the_adaptive_controller(tmp_path, fake_stages):
