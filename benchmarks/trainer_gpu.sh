@@ -32,7 +32,7 @@ GPU="trainer.device=cuda trainer.n_gpus_per_node=$GPUS worker.rollout.name=vllm 
 
 if [[ $RUNS == *toy* ]]; then
 python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS trainer.save_checkpoint_path=$OUT/toy \
-    worker.rollout.gpu_memory_utilization=0.2
+    worker.rollout.gpu_memory_utilization=0.2 trainer.find_last_checkpoint=false  # a run again: earlier one set aside
 fi
 
 for SIZE in 3b 7b; do
@@ -44,7 +44,7 @@ python trainer.py --config configs/toy.yaml $GPU trainer.max_steps=$STEPS traine
     data.min_pixels=262144 data.max_pixels=262144 data.max_prompt_length=512 data.max_response_length=512 \
     data.rollout_batch_size=$BATCH worker.rollout.n=5 worker.actor.global_batch_size=$((BATCH / 2)) \
     worker.rollout.gpu_memory_utilization=0.35 worker.rollout.max_num_batched_tokens=16384 \
-    trainer.save_freq=-1 trainer.save_model_only=true ${EXTRA:-}
+    trainer.save_freq=-1 trainer.save_model_only=true trainer.find_last_checkpoint=false ${EXTRA:-}
 [[ ${KEEP_CHECKPOINTS:-0} == 1 ]] || rm -rf $OUT/$SIZE/global_step_*  # 16 GB a 7B run: back-to-back runs fill a disk
 fi
 done
