@@ -266,7 +266,8 @@ class Actor:
         # 2. Offloading: offload.* parameters / optimizer state wait on the CPU between the passes that need them.
         on_device = self.device.type == "cuda" and not (self.sharded and cfg.fsdp.enable_cpu_offload)  # GPU-resident
         self.offload_params = (cfg.offload.offload_params or cfg.fsdp.enable_cpu_offload) and on_device  # unsharded
-        self.offload_optimizer = cfg.offload.offload_optimizer and on_device and role == "actor"
+        self.offload_optimizer = (cfg.offload.offload_optimizer or cfg.fsdp.enable_cpu_offload) and on_device and \
+            role == "actor"
         self.host_params, self.host_optimizer = HostCopy(), HostCopy()
         if (cfg.offload.offload_params or cfg.offload.offload_optimizer) and not on_device and self.rank == 0:
             where = "device cpu" if self.device.type == "cpu" else "fsdp.enable_cpu_offload"

@@ -245,8 +245,8 @@ class PromptBuilder:
         self.image_processor, self.rope_model, self.video_span = getattr(processor, "image_processor", None), None, None
         if self.image_processor is not None:
             # on the meta device: get_rope_index reads only the config, so positions are the model's own per family
-            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code) if isinstance(model, str) \
-                else model
+            config = model if not isinstance(model, (str, os.PathLike)) else \
+                AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
             with torch.device("meta"):
                 self.rope_model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
             if not hasattr(self.rope_model, "get_rope_index"):

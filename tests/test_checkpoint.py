@@ -107,9 +107,7 @@ def save_steps(root, steps, kl_type="adaptive", **trainer_keys):
     run.logger.close()
 
 
-# ----------------------------------------------------------------------------------------------
-# B1, B3: a checkpoint is complete or it is not used
-# ----------------------------------------------------------------------------------------------
+# --- B1, B3: a checkpoint is complete or it is not used -----------------------------------------------------
 
 BREAKS = {  # how a checkpoint is broken -> (break it, what the resume says)
     "extra_state.pt missing": (lambda p: os.remove(p / "actor" / "extra_state.pt"), "actor/extra_state.pt is missing"),
@@ -298,9 +296,7 @@ def test_another_data_config_is_a_one_line_checkpoint_error_before_ray_starts(tm
     assert saved["data"]["rollout_batch_size"] == 512, "a refused resume overwrote experiment_config.json"
 
 
-# ----------------------------------------------------------------------------------------------
-# B2 and the loop: after a kill at any point and a resume, each step's row once, in order
-# ----------------------------------------------------------------------------------------------
+# --- B2 and the loop: after a kill at any point and a resume, each step's row once, in order ----------------
 
 class Kill(BaseException):
     """A SIGKILL: nothing after it runs (not an Exception, so nothing catches it)."""
@@ -468,23 +464,23 @@ def test_a_kill_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monk
     assert [(r["step"], r["run"]) for r in rows] == [(s, 2) for s in range(1, 7)]
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoint rotation: save_limit, the best checkpoint kept
-# ----------------------------------------------------------------------------------------------
+# --- Checkpoint rotation: save_limit, the best checkpoint kept ----------------------------------------------
 
-@pytest.mark.parametrize("failing", ["workers", "tracker"])
-def test_a_failed_save_says_where_and_how_much_disk_is_left_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
-                                                                                           failing):
-    """torch.save on a full disk fails as "unexpected pos 704 vs 598", the tracker's write (after the step's row) as
+@pytest.mark.parametrize("failing", ["workers", "row", "tracker"])
+def test_a_failed_save_names_the_free_space_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, failing):
+    """torch.save on a full disk fails as "unexpected pos 704 vs 598", the step's log row and the tracker's write as
     ENOSPC: the error names the step, the folder and the free space; the earlier checkpoint still resumes."""
     save_steps(tmp_path, [1])
-    run = fake_run(tmp_path, make_cfg())
+    run, write = fake_run(tmp_path, make_cfg()), trainer.write_atomic
 
     def full_disk(*args, **kwargs):
+        if failing == "tracker" and not args[0].endswith(run_folder.TRACKER):
+            return write(*args, **kwargs)  # trainer_state.json, written before the tracker
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") \
             if failing == "workers" else OSError(28, "No space left on device")
 
-    monkeypatch.setattr(*(run.workers, "save") if failing == "workers" else (trainer, "write_atomic"), full_disk)
+    where = {"workers": (run.workers, "save"), "row": (run.logger, "log"), "tracker": (trainer, "write_atomic")}
+    monkeypatch.setattr(*where[failing], full_disk)
     run.step = 2
     with pytest.raises(RuntimeError, match=r"checkpoint of step 2 to .*global_step_2 failed with [0-9.]+ GiB free "
                                            r"on its disk; the last complete checkpoint is still there: .*(unex|No sp)"):
@@ -561,9 +557,7 @@ def test_save_limit_and_the_best_validation_score_across_a_resume(tmp_path):
     assert folders(tmp_path) == [2, 5]
 
 
-# ----------------------------------------------------------------------------------------------
-# B7: checkpoint files load as data (weights_only), Ray listens on the loopback only
-# ----------------------------------------------------------------------------------------------
+# --- B7: checkpoint files load as data (weights_only), Ray listens on the loopback only ---------------------
 
 class Payload:
     """Unpickled, it creates a file: code that a checkpoint file must not be able to run."""
@@ -629,9 +623,7 @@ def test_the_command_line_says_a_checkpoint_error_in_one_line(tmp_path, capsys):
     assert code == 2 and len(err) == 1 and err[0].startswith("checkpoint error: trainer.load_checkpoint_path=")
 
 
-# ----------------------------------------------------------------------------------------------
-# Rotation edge cases, the best checkpoint on a tie, rewind of generations.log
-# ----------------------------------------------------------------------------------------------
+# --- Rotation edge cases, the best checkpoint on a tie, rewind of generations.log ---------------------------
 
 def test_save_limit_zero_keeps_every_checkpoint(tmp_path):
     for step in (1, 2, 3):
