@@ -107,6 +107,7 @@ def test_sample_frame_indices_by_hand():
     assert data.sample_frame_indices(3, 30.0, 2.0) == [0, 2]                         # 3 frames -> 2
     assert data.sample_frame_indices(1, 30.0, 2.0) == [0]
     assert len(data.sample_frame_indices(10000, 1.0, 2.0)) == 768
+    assert data.sample_frame_indices(10, 1.0, 2.0) == list(range(10))               # 20 clamped to the 10 there are
 
 
 def test_process_video_decodes_samples_and_resizes(tmp_path):
@@ -147,7 +148,7 @@ def test_a_list_of_frames_is_one_video_as_qwen_vl_utils_reads_it(tmp_path, vl):
         data.process_video([], 3136, 12544, 2.0)
 
 
-def test_video_frames_are_bounded_per_frame_as_qwen_vl_utils_bounds_them(tmp_path):
+def test_video_frames_are_bounded_per_frame_as_qwen_vl_utils_bounds_them(tmp_path, monkeypatch):
     """EasyR1's reader caps each frame at min(max_pixels, max(min(768 f^2, 0.9 x 128000 f^2 x 2 / T), 1.05
     min_pixels)); the frames were bounded by data.max_pixels alone: 1.7x the tokens of a 720p clip, 3.7x at 1080p."""
     hd = [Image.new("RGB", (1280, 720), COLOR_LIST[i]) for i in range(4)]
@@ -162,6 +163,12 @@ def test_video_frames_are_bounded_per_frame_as_qwen_vl_utils_bounds_them(tmp_pat
     assert data.process_video(small, 1500, 10**6, 2.0, factor=2)[0].shape == (798, 39, 39, 3)  # 39.7 down to 39
     raw = clip(4, size=(200, 100), fps=2)  # a file: the same bound for its 4 sampled frames
     assert data.process_video(raw, 100, 10**6, 2.0, factor=2)[0].shape == (4, 39, 78, 3)  # 3072: s = 0.39192
+    long = clip(400, size=(200, 100), fps=100)  # 8 sampled of 400 frames: the bound of 8 (3072), not of 400 (2304)
+    assert data.process_video(long, 100, 10**6, 2.0, factor=2)[0].shape == (8, 39, 78, 3)
+    caps = []  # 301 listed frames are bounded as the 302 they are padded to: 0.9 x 128000 x 28^2 x 2 / 302
+    monkeypatch.setattr(data, "process_image", lambda *args: caps.append(args[2]) or numpy.zeros((4, 4, 3), "uint8"))
+    data.process_video([None] * 301, 3136, 10**7, 2.0, factor=28)
+    assert caps == pytest.approx([0.9 * 128000 * 784 * 2 / 302] * 301, rel=1e-12)
 
 
 def test_a_file_without_a_video_stream_says_so(tmp_path):

@@ -113,6 +113,9 @@ def test_rows_over_several_files_name_each_files_own_row_and_count_items_of_non_
     assert (nulls.most_items("videos"), nulls.most_items("images")) == (0, 1)
     large = pyarrow.table({"images": pyarrow.array([["a", "b", "c"], ["d"]], pyarrow.large_list(pyarrow.string()))})
     assert data.Rows("s", [("a", datasets.Dataset(large))]).most_items("images") == 3  # a large_list counts its items
+    empty = pyarrow.table({"images": pyarrow.array([None, None], pyarrow.list_(pyarrow.string()))})  # a list type
+    assert data.Rows("s", [("a", datasets.Dataset(empty))]).most_items("images") == 0  # of nulls only: no image
+    assert not data._of_split("ScienceQAtrain.parquet", "train")  # a capital before the word: no word boundary
 
 
 def test_settings_that_would_go_wrong_quietly_are_errors(toy, tmp_path):

@@ -21,6 +21,12 @@ def test_partition_balanced_fills_the_lightest_group_by_tokens_not_by_count():
     is 10 | 1 + 1 + 1 (each 1 goes to the group of 1 or 2 tokens, not to the 10 that has fewer items)."""
     assert modeling.partition_balanced([10, 1, 1, 1], 2) == [[0], [1, 2, 3]]
     assert modeling.partition_balanced([10, 1, 1, 1], 2, equal_size=True) == [[0, 3], [1, 2]]
+    # equal tokens go to the group of fewer items: [1, 1, 1, 3, 3, 4] longest first is 4 | 3, 3 | 1, 1 (6 and 6),
+    # then the last 1 joins the 3 + 3 of two items, not the 4 + 1 + 1 of three
+    assert modeling.partition_balanced([1, 1, 1, 3, 3, 4], 2) == [[0, 1, 5], [2, 3, 4]]
+    with pytest.raises(ValueError, match="sample 1 has an empty prompt"):  # its first response token has no context
+        modeling.pack_samples([{"prompt_ids": [1, 2], "response_ids": [3]}, {"prompt_ids": [], "response_ids": [4]}],
+                              is_vl=False)
 
 
 def test_micro_batches_needed_edge_cases_by_hand():
@@ -260,6 +266,27 @@ def test_adamw_bf16_steps_match_a_hand_worked_adamw():
     torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0)
     assert not opt.state[p]["compensation"].any() and opt.state[p]["step"].item() == 3
     assert idle not in opt.state and torch.equal(idle.detach(), torch.ones(3))
+
+
+def test_adamw_bf16_keeps_steps_below_half_a_bf16_spacing_and_its_state_in_bf16_after_a_load():
+    """A bf16 weight of 0.02 (stored 0.02001953125; spacing 2**-13 = 1.22e-4) and 100 steps of lr 1e-6 (gradient -1:
+    each step +1e-6, below half the spacing): without the compensation every step is lost; with it the weight is the
+    bf16 value nearest 0.02001953125 + 1e-4 (0.0201416015625) and weight + compensation is that sum to 1e-5 (the
+    moments, stored in bf16, make a step a few % off 1e-6; without it the sum is 1e-4 short). A load
+    (torch casts the state to the parameters' dtype, fp32 here) leaves moments and compensation in bf16."""
+    p = torch.nn.Parameter(torch.tensor([0.02], dtype=torch.bfloat16))
+    opt = modeling.AdamWBF16([p], lr=1e-6)
+    for _ in range(100):
+        p.grad = torch.full_like(p, -1.0)
+        opt.step()
+    c = opt.state[p]["compensation"]
+    assert p.item() == 0.0201416015625 and abs(p.item() + c.item() - (0.02001953125 + 1e-4)) < 1e-5
+    q = torch.nn.Parameter(torch.ones(2))
+    fresh, trained = modeling.AdamWBF16([q]), modeling.AdamWBF16([q])
+    q.grad = torch.ones(2)
+    trained.step()
+    fresh.load_state_dict(trained.state_dict())
+    assert {fresh.state[q][k].dtype for k in ("exp_avg", "exp_avg_sq", "compensation")} == {torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -554,12 +554,17 @@ def test_response_is_cut_after_the_first_eos_of_any_kind():
 
 
 def test_sampler_edges_top_k_of_all_but_one_and_top_p_mass_reached_exactly():
-    """top_k = vocab - 1 drops the least likely token; top_p 0.5 on [0.5, 0.25, 0.25] keeps the first alone."""
+    """top_k = vocab - 1 drops the least likely token; top_p 0.5 on [0.5, 0.25, 0.25] keeps the first alone, as top_k
+    1 does (log-prob 0); a top_p above 1 is refused."""
     gens = [torch.Generator().manual_seed(i) for i in range(300)]
     token, logp = rollout._sample_next(torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(300, 1), [], 1.0, 1.0, 3, gens)
     assert 0 not in token.tolist() and torch.allclose(logp, torch.tensor([1.0, 2.0, 3.0]).log_softmax(-1)[token - 1])
     token, logp = rollout._sample_next(torch.tensor([[2.0, 1.0, 1.0]]).log().repeat(300, 1), [], 1.0, 0.5, -1, gens)
     assert token.tolist() == [0] * 300 and logp.abs().max() < 1e-6
+    token, logp = rollout._sample_next(torch.tensor([[2.0, 1.0, 1.0]]).log().repeat(300, 1), [], 1.0, 1.0, 1, gens)
+    assert token.tolist() == [0] * 300 and logp.abs().max() < 1e-6
+    with pytest.raises(ValueError, match=r"top_p=1.2 \(in \(0, 1\]\)"):
+        rollout._check_sampling([], 1, 1.0, 1.2, 4, "prompt_ids")
 
 
 def test_eos_list_from_the_tokenizer_folders_generation_config_when_the_model_has_none(toy, tmp_path):

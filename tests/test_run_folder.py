@@ -212,3 +212,34 @@ def test_a_resumes_first_validation_counts_toward_the_best_checkpoint(tmp_path):
     run.logger.close()
     assert json.loads((tmp_path / run_folder.TRACKER).read_text()) == {
         "last_global_step": 4, "best_global_step": 2, "best_val_reward_score": 0.9}
+
+
+def test_a_tracker_without_folders_a_missing_shard_a_mis_named_path_and_save_limit_one(tmp_path):
+    """A tracker without any global_step_N folder is an error (a fresh start would write over that run); val_only over
+    an incomplete folder without a tracker moves nothing; a shard that is missing, not only cut short, makes the
+    checkpoint incomplete, a trainer_state.json of older versions (no "resumable") does not; a load_checkpoint_path
+    not named global_step_N is refused; save_limit 1 with the best at an
+    earlier step keeps the best and the current step, nothing between."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / run_folder.TRACKER).write_text(json.dumps({"last_global_step": 3}))
+    with pytest.raises(run_folder.CheckpointError, match="has a checkpoint tracker but no complete checkpoint"):
+        run_folder.find_checkpoint(str(tmp_path / "a"), None, True)
+    (tmp_path / "b" / "global_step_1").mkdir(parents=True)
+    (tmp_path / "b" / "experiment_log.jsonl").write_text("")
+    assert run_folder.find_checkpoint(str(tmp_path / "b"), None, True, val_only=True) is None
+    assert sorted(os.listdir(tmp_path / "b")) == ["experiment_log.jsonl", "global_step_1"]
+    (tmp_path / "c").mkdir()
+    save_steps(tmp_path / "c", [1, 2])
+    os.remove(tmp_path / "c" / "global_step_1" / "actor" / "model" / "__0_0.distcp")
+    assert run_folder.checkpoint_problem(str(tmp_path / "c" / "global_step_1")) == \
+        "actor/model/__0_0.distcp is missing or truncated"
+    state = tmp_path / "c" / "global_step_2" / "trainer_state.json"  # an older checkpoint's, without "resumable"
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "resumable"}))
+    assert run_folder.checkpoint_problem(str(tmp_path / "c" / "global_step_2")) is None
+    os.rename(tmp_path / "c" / "global_step_2", tmp_path / "c" / "best")
+    with pytest.raises(run_folder.CheckpointError, match="must be an existing global_step_N folder"):
+        run_folder.find_checkpoint(str(tmp_path / "c"), str(tmp_path / "c" / "best"), True)
+    for step in (1, 2, 3, 4, 5):
+        os.makedirs(tmp_path / "d" / f"global_step_{step}")
+    run_folder.remove_old_checkpoints(str(tmp_path / "d"), 5, 2, 1)
+    assert folders(tmp_path / "d") == [2, 5]
