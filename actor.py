@@ -265,9 +265,9 @@ class Actor:
 
         # 2. Offloading: offload.* parameters / optimizer state wait on the CPU between the passes that need them.
         on_device = self.device.type == "cuda" and not (self.sharded and cfg.fsdp.enable_cpu_offload)  # GPU-resident
-        self.offload_params = (cfg.offload.offload_params or cfg.fsdp.enable_cpu_offload) and on_device  # unsharded
-        self.offload_optimizer = (cfg.offload.offload_optimizer or cfg.fsdp.enable_cpu_offload) and on_device and \
-            role == "actor"
+        park = cfg.fsdp.enable_cpu_offload  # on an unsharded module (else on_device is false): as offload.*
+        self.offload_params = (cfg.offload.offload_params or park) and on_device
+        self.offload_optimizer = (cfg.offload.offload_optimizer or park) and on_device and role == "actor"
         self.host_params, self.host_optimizer = HostCopy(), HostCopy()
         if (cfg.offload.offload_params or cfg.offload.offload_optimizer) and not on_device and self.rank == 0:
             where = "device cpu" if self.device.type == "cpu" else "fsdp.enable_cpu_offload"
@@ -379,7 +379,7 @@ class Actor:
                 grad_norms.append(self._optimizer_step())
 
         weights = torch.nn.utils.get_total_norm([p for p in self.module.parameters() if p.requires_grad])
-        if not math.isfinite(float(weights.full_tensor() if hasattr(weights, "full_tensor") else weights)):
+        if not math.isfinite(float(full_tensor(weights, self.device))):  # reduced over the ranks
             bad = [n for n, p in self.module.named_parameters()
                    if p.requires_grad and not full_tensor(p, self.device).isfinite().all()]
             raise FloatingPointError(f"Actor.update: the weights are not finite after this step's update (in {bad[:3]};"

@@ -261,6 +261,7 @@ def load_config(path=None, overrides=()):
 def check_config(cfg):
     """Checks of values against each other, before any model is loaded."""
     a, r, d, t, alg = cfg.worker.actor, cfg.worker.rollout, cfg.data, cfg.trainer, cfg.algorithm
+    o = a.optim
     for key in ("data.rollout_batch_size", "data.mini_rollout_batch_size", "worker.actor.global_batch_size",
                 "worker.actor.micro_batch_size_per_device_for_update", "worker.actor.max_tokens_per_micro_batch",
                 "worker.actor.micro_batch_size_per_device_for_experience", "worker.actor.ppo_epochs",
@@ -274,13 +275,13 @@ def check_config(cfg):
         raise ConfigError(f"worker.actor.max_grad_norm={a.max_grad_norm} (0: no clipping), clip_ratio_low="
                           f"{a.clip_ratio_low}, clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap={a.tis_cap} (> 0 "
                           f"or null): out of range (a negative one reverses or stops the gradient)")
-    if min(alg.kl_coef, (o := a.optim).weight_decay, o.lr_warmup_steps or 0) < 0 or not 0 <= o.lr_warmup_ratio <= 1 \
+    if min(alg.kl_coef, o.weight_decay, o.lr_warmup_steps or 0) < 0 or not 0 <= o.lr_warmup_ratio <= 1 \
             or not 0 <= (o.min_lr_ratio or 0) <= 1:  # beta < 0 pushes away from the reference; a ratio > 1 lifts lr
         raise ConfigError(f"algorithm.kl_coef={alg.kl_coef}, worker.actor.optim.weight_decay={o.weight_decay}, "
                           f"lr_warmup_steps={o.lr_warmup_steps} (>= 0), lr_warmup_ratio={o.lr_warmup_ratio}, "
                           f"min_lr_ratio={o.min_lr_ratio} (in [0, 1]): out of range")
-    if len(a.optim.betas) != 2 or not all(0 <= b < 1 for b in a.optim.betas):  # AdamW: IndexError or ValueError
-        raise ConfigError(f"worker.actor.optim.betas={a.optim.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):  # AdamW: IndexError or ValueError
+        raise ConfigError(f"worker.actor.optim.betas={o.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
     if (lora := a.model.lora).rank < 0 or lora.rank and lora.alpha <= 0:  # alpha 0 zeroes every adapter's output
         raise ConfigError(f"worker.actor.model.lora.rank={lora.rank} (0: no LoRA) and alpha={lora.alpha} (> 0 with a "
                           "rank): out of range")
