@@ -70,12 +70,11 @@ def reinforce_plus_plus(scores, lengths, token_kl=None, kl_coef=0.0, eps=1e-8):
 
 
 def reinforce_plus_plus_baseline(scores, uids, eps=1e-8, allow_singletons=False):
-    """REINFORCE++ with a group baseline (after veRL's reinforce_plus_plus_baseline; EasyR1 has none):
+    """REINFORCE++ with a group baseline (after veRL's reinforce_plus_plus_baseline):
 
-    c_i = r_i - mean_g              (exactly 0 for a group without spread)
-    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses (veRL's: over
-                                                    the response tokens, where long responses weigh more)
-    Since every group's c sums to 0, mean(c) = 0 up to rounding and flat groups stay exactly 0.
+    c_i = r_i - mean_g                              exactly 0 for a group without spread, and so is its A_i
+    A_i = (c_i - mean(c)) / sqrt(var(c) + eps)      mean and unbiased var over the N responses; mean(c) = 0 up to
+                                                    rounding, as every group's c sums to 0
     """
     s = group_stats(scores, uids, allow_singletons)
     c = torch.where(s.flat[s.g], 0.0, s.x - s.mean[s.g])                  # [N]
@@ -104,10 +103,9 @@ ESTIMATORS = {"grpo": grpo, "grpo_passk": grpo_passk, "rloo": rloo, "remax": rem
 
 def compute_advantages(name, scores, uids, baselines=None, norm_by_std=True, lengths=None, token_kl=None,
                        kl_coef=0.0, **opts):
-    """Advantages from the estimator `name` (a key of ESTIMATORS); inputs and outputs as in the module
-    docstring. lengths [N]: for TOKEN_LEVEL (from token_kl when not given); baselines: remax only;
-    norm_by_std (algorithm.norm_adv_by_std_in_grpo, veRL's; EasyR1 has none): grpo only; opts: the estimator's own
-    keywords (eps, allow_singletons: see each)."""
+    """Advantages from the estimator `name` (a key of ESTIMATORS); inputs and outputs as in the module docstring.
+    lengths [N]: for TOKEN_LEVEL (from token_kl when not given); baselines: remax only; norm_by_std
+    (algorithm.norm_adv_by_std_in_grpo): grpo only; opts: the estimator's own keywords (eps, allow_singletons)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
     if baselines is not None and name != "remax":
@@ -173,8 +171,7 @@ class FixedKLController:
 class AdaptiveKLController:
     """Adaptive beta (Ziegler et al. 2019) that steers the measured KL towards target_kl:
     beta <- beta * (1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon)
-    current_kl: the step's mean KL (EasyR1: mean over responses of each response's token-mean KL);
-    n_steps: responses in the step (EasyR1 passes the batch size)."""
+    current_kl: the step's mean over responses of each response's token-mean KL; n_steps: responses in the step."""
 
     def __init__(self, init_kl_coef, target_kl, horizon):
         if not (target_kl > 0 and horizon > 0):
