@@ -6,9 +6,8 @@ A training step asks three passes of it, each on a list of sample dicts:
                        (+ kl_coef x that of kl_penalty), backward; one clipped optimizer step per mini-batch and epoch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: the section first
-below, constants included) needs only torch: copy that section out, as the module imports modeling.py at the top;
-the Actor needs modeling.py (loading, FSDP2, LoRA, packing, the forward)
-and config.py (its cfg, the worker.actor section: ActorConfig; keys in configs/geo3k.yaml).
+below, constants included) needs only torch; the Actor needs modeling.py (loading, FSDP2, LoRA, packing, the forward)
+and a worker.actor section as its cfg (config.py's ActorConfig; keys in configs/geo3k.yaml).
 
 A sample (built by trainer.py) holds:
     uid                 str          its prompt's group id (workers.py keeps a group on one rank; named in errors)
