@@ -241,8 +241,7 @@ class VLLMRollout:
                               "(or set worker.rollout.name=hf)") from error
 
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
-        # limit_videos 0 (data without videos): vLLM neither profiles nor reserves memory for a video.
-        limits = {"video": getattr(cfg, "limit_videos", 0)}
+        limits = {"video": getattr(cfg, "limit_videos", 0)}  # 0: no memory profiled or reserved for a video
         limits |= {"image": cfg.limit_images} if cfg.limit_images > 0 else {}
         self.video_metadata = VIDEO_METADATA.get(config.model_type)
         extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
