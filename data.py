@@ -401,14 +401,12 @@ def trained_positions(mrope, types):
 
 
 def process_image(image, min_pixels, max_pixels, image_dir=None):
-    """An RGB PIL image with at most max_pixels and at least min_pixels pixels, aspect ratio kept.
+    """An RGB PIL image resized by _target_size to at most max_pixels and at least min_pixels, aspect ratio kept.
 
     `image`: a PIL image, {"bytes": ...} / {"path": ...} (HF parquet), bytes, or a path (relative: joined to
     image_dir). Made RGB as a viewer shows it: transparency over white (as transformers and vLLM do), 16-bit grey
     v -> v // 257 (PIL would clip at 255), as is a 32-bit "I" image with values over 255 (PIL opens 16-bit PGM so);
-    a 32-bit float image in [0, 1] (torchvision's and matplotlib's range) x 255, any other taken as 0..255 levels.
-    Scaling by s = sqrt(max_pixels / (w h)) rounds sides down, by s = sqrt(min_pixels / (w h)) rounds up, so each
-    bound holds (an upscale may pass max_pixels when the two are closer than a side's rounding); sizes in range kept."""
+    a 32-bit float image in [0, 1] (torchvision's and matplotlib's range) x 255, any other taken as 0..255 levels."""
     image = _open_image(image, image_dir)
     if image.mode == "F":  # 32-bit float: PIL's convert clips it to 0..255, so [0, 1] images came out black
         values = numpy.nan_to_num(numpy.asarray(image))
@@ -480,7 +478,9 @@ def sample_frame_indices(total, rate, fps):
 
 
 def _target_size(width, height, min_pixels, max_pixels):
-    """(width, height) after process_image's scaling (the formula is in its docstring)."""
+    """(width, height) scaled by s = sqrt(max_pixels / (w h)) with sides rounded down, or by s = sqrt(min_pixels /
+    (w h)) with sides rounded up, so each bound holds (an upscale may pass max_pixels when the two are closer than a
+    side's rounding); a size in range is kept."""
     if width * height > max_pixels:
         s = math.sqrt(max_pixels / (width * height))
         return max(1, int(width * s)), max(1, int(height * s))
