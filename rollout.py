@@ -81,7 +81,7 @@ class HFRollout:
 
     def __init__(self, cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path,
                  batch_size=64):
-        remote = getattr(cfg, "trust_remote_code", False)  # handed over by the trainer
+        remote = getattr(cfg, "trust_remote_code", False)  # set by workers.py (module docstring)
         config, _, self.eos_ids, self.banned_ids, self.pad_id = _load_config(cfg, model_path, tokenizer_path)
         is_vl = getattr(config, "vision_config", None) is not None
         model_class = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
