@@ -494,7 +494,7 @@ class Actor:
         """Clip the global gradient norm to max_grad_norm (clip_grad_norm_ reduces FSDP2's DTensor gradients over the
         ranks) and step, unless the norm is not finite (skipped: actor/skipped_steps); -> the norm before clipping."""
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm or math.inf)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor: reduced where it is
         if math.isfinite(norm):
             self.optimizer.step()
         else:

@@ -122,7 +122,8 @@ class PromptLoader(collections.abc.Iterator):
         self.prefetch, self.pending, self.lock = prefetch, None, threading.Lock()  # pending: ((epoch, batch), future)
 
     def __next__(self):
-        position, (built, future), self.pending = (self.current_epoch, self.batch), self.pending or (None, None), None
+        position, (built, future) = (self.current_epoch, self.batch), self.pending or (None, None)
+        self.pending = None
         batch = future.result() if built == position else self._make_batch(*position)  # a build's error raises here
         self.batch = (self.batch + 1) % self.batches_per_epoch
         self.current_epoch += self.batch == 0
