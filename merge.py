@@ -256,10 +256,14 @@ def hf_names(hf_dir):
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     probes = {name: torch.empty(0, device="meta") for name in model.state_dict() if name not in tied}
     owner = {id(t): name for name, t in probes.items()}
-    saved = {owner.get(id(t)): name for name, t in revert_weight_conversion(model, dict(probes)).items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(probes))
+    except RuntimeError:  # a split of fused tensors (a mixture of experts' experts) fails on the empty probes
+        reverted = {}
+    saved = {owner.get(id(t)): name for name, t in reverted.items()}
     if None in saved or len(saved) != len(probes):
-        raise MergeError(f"{type(model).__name__} saves fused or split tensors (a transformers conversion op); "
-                         f"merge.py writes renamed tensors only")
+        raise MergeError(f"{type(model).__name__} saves fused or split tensors (a transformers conversion op, as for "
+                         f"a mixture of experts' experts); merge.py writes renamed tensors only")
     return saved, tied, {name: tensor.shape for name, tensor in model.state_dict().items()}
 
 

@@ -52,6 +52,10 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     AttentionInterface.register(ATTENTION, packed_attention)
     config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
     apply_overrides(config, model_cfg.override_config)
+    if cap := getattr(config.get_text_config(), "attn_logit_softcapping", None):
+        raise ValueError(f"{model_cfg.model_path}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is "
+                         "not implemented by the packed attention; override_config '{attn_logit_softcapping: null}' "
+                         "drops it from the model (in the rollout too)")
     is_vl = getattr(config, "vision_config", None) is not None
     auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
     weights_dtype = compute_dtype if lora_rank else master_dtype
@@ -60,7 +64,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
             hf = auto.from_config(config, dtype=weights_dtype, trust_remote_code=model_cfg.trust_remote_code)
     else:
         hf = auto.from_pretrained(model_cfg.model_path, config=config, dtype=weights_dtype,
-                                  trust_remote_code=model_cfg.trust_remote_code, attn_implementation="sdpa")
+                                  trust_remote_code=model_cfg.trust_remote_code, attn_implementation="eager")
     for m in hf.modules():  # every module's config; the setter recurses into sub-configs
         if isinstance(getattr(m, "config", None), PreTrainedConfig):
             m.config._attn_implementation = ATTENTION
@@ -89,7 +93,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         if odd := [n for n, m in module.named_modules()
                    if hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)]:
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on {odd[0]}, "
-                             f"not a Linear layer: the weight sync and merge.py merge Linear adapters only")
+                             f"not a Linear layer: the weight sync and merge.py merge Linear adapters only (a mixture "
+                             f"of experts' experts: list the modules, e.g. q_proj,k_proj,v_proj,o_proj)")
         for p in module.parameters():
             p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
     full_state = dict(module.state_dict()) if rank0_init and dist.get_rank() == 0 else None
@@ -331,7 +336,7 @@ def packed_forward(hf, batch, temperature, with_entropy, modalities, dummy_visio
         kwargs["mm_encoder_outputs"] = encoded
     hidden = body(**kwargs).last_hidden_state[0]  # [T, H]
     return response_log_probs(hidden.index_select(0, batch["resp_index"]), hf.get_output_embeddings(),
-                              batch["labels"], temperature, with_entropy)
+                              batch["labels"], temperature, with_entropy, scale_and_cap=logit_scale_and_cap(hf.config))
 
 
 def vision_indices(tower, grid_thw, device):
@@ -359,9 +364,11 @@ def to_device(t, device):
     return t.to(device)
 
 
-def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False, chunk=HEAD_CHUNK):
+def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False, chunk=HEAD_CHUNK,
+                       scale_and_cap=(1.0, None)):
     """hidden [N, H] (the states that predict the response tokens), labels [N] ->
-    (logp [N] fp32, entropy [N] fp32 or [0]), with z = lm_head(h) / temperature in fp32:
+    (logp [N] fp32, entropy [N] fp32 or [0]), with z = softcap(lm_head(h) x scale) / temperature in fp32
+    ((scale, cap) = scale_and_cap; softcap(x) = cap tanh(x / cap), or x when cap is None):
 
         logp_t = z_t[y_t] - logsumexp(z_t)          entropy_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
 
@@ -369,16 +376,27 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
     [chunk, vocab] fp32 block exists at a time (forward and backward). Entropy carries no gradient. No rows still
     go through the head (one empty chunk): every rank's backward must reach every FSDP2 reduction."""
     def head(h, y):
-        z = lm_head(h).float() / temperature  # [c, V]
+        z = lm_head(h).float() * scale  # [c, V]
+        z = (torch.tanh(z / cap) * cap if cap else z) / temperature
         logz = torch.logsumexp(z, dim=-1)  # [c]
         logp = z.gather(-1, y[:, None])[:, 0] - logz
         with torch.no_grad():
             ent = logz - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else z.new_zeros(0)
         return logp, ent
 
+    scale, cap = scale_and_cap
     run = functools.partial(checkpoint, head, use_reentrant=False) if torch.is_grad_enabled() else head
     logps, ents = zip(*(run(h, y) for h, y in zip(hidden.split(chunk), labels.split(chunk))))
     return torch.cat(logps), torch.cat(ents)
+
+
+def logit_scale_and_cap(config):
+    """(scale, cap): what the family's ForCausalLM.forward does to lm_head's logits, which the packed pass applies as
+    the rollout engine does: x logit_scale (Cohere), / logits_scaling (Granite), then Gemma's final_logit_softcapping.
+    A family that changes them otherwise is not covered (the README's list of checked text families)."""
+    text = config.get_text_config()
+    scale = (getattr(text, "logit_scale", None) or 1.0) / (getattr(text, "logits_scaling", None) or 1.0)
+    return scale, getattr(text, "final_logit_softcapping", None)
 
 
 def _repeat_images(output, order, n_images):
@@ -426,7 +444,10 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     if (window := kwargs.get("sliding_window")) and int(max_len) > window:  # within it, the window changes nothing
         raise ValueError(f"packed_attention: a sequence of {int(max_len)} tokens is longer than this layer's sliding "
                          f"window ({window} tokens), which it does not apply; lower data.max_prompt_length + "
-                         "max_response_length, or set the model's use_sliding_window to false")
+                         "max_response_length, or drop the window in worker.actor.model.override_config")
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise ValueError(f"packed_attention: {type(module).__name__} caps its attention scores (softcap) or adds sink "
+                         "logits (s_aux), which the packed attention does not implement: this family is not supported")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

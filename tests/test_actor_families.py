@@ -1,10 +1,13 @@
-"""actor.py on Qwen2-VL: packed log-probs and gradients equal a per-sequence transformers forward, on prompts built
-by data.py (images, a video, text) for a tiny random Qwen2-VL. Qwen2.5-VL (the toy's family) and Qwen3-VL are
-checked in tests/test_actor.py."""
+"""actor.py on other families: packed log-probs and gradients equal a per-sequence transformers forward, on prompts
+built by data.py (images, a video, text) for a tiny random Qwen2-VL, and for text families whose own forward changes
+the logits (Granite, Cohere, Gemma2). Qwen2.5-VL (the toy's family), Qwen3-VL and Qwen2 are in tests/test_actor.py."""
 
+import pytest
 import torch
 
-from test_actor import assert_packed_equals_per_sequence, make_actor, token_weights
+import modeling
+from test_actor import (assert_grads_close, assert_packed_equals_per_sequence, full_grads, make_actor, packed_backward,
+                        reference_log_probs, text_sample, token_weights)
 from test_data import builder, clip, config, png
 from test_data_families import tiny_family
 
@@ -33,3 +36,63 @@ def test_qwen2_vl_packed_equals_per_sequence(tmp_path, toy):
     expected = assert_packed_equals_per_sequence(make_actor(path), model, samples, token_weights(samples),
                                                  grad_atol=1e-5)
     assert any("visual" in name for name in expected)
+
+
+def tiny_text_family(model_type, path, **changes):
+    """A tiny random text model of `model_type` (2 layers, hidden 64, the toy's vocabulary), saved as an HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=167, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=0,
+                               eos_token_id=2, pad_token_id=0, **changes)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type, changes", [
+    ("granite", {"logits_scaling": 8.0}), ("cohere", {"logit_scale": 0.0625}),
+    ("gemma2", {"final_logit_softcapping": 0.2, "attn_logit_softcapping": None, "query_pre_attn_scalar": 16})])
+def test_text_families_that_change_their_logits_keep_doing_so_packed(model_type, changes, tmp_path):
+    """Granite divides lm_head's logits by logits_scaling, Cohere multiplies them by logit_scale, Gemma2 caps them at
+    final_logit_softcapping (0.2 here, as this random model's logits stay below ~0.5): the packed log-probs and
+    gradients equal the model's own forward (before, they differed by up to 0.61)."""
+    model = tiny_text_family(model_type, str(tmp_path), **changes)
+    samples = [text_sample(4, 1), text_sample(7, 2, prompt_len=3), text_sample(1, 3, prompt_len=12)]
+    a, weights = make_actor(str(tmp_path)), token_weights(samples)
+    logps = a.compute_log_probs(samples)
+    packed_backward(a, samples, weights)
+    for s, lp, w in zip(samples, logps, weights):
+        ref = reference_log_probs(model, s, is_vl=False)
+        torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=1e-5)
+        (ref * w).sum().backward()
+    assert_grads_close(full_grads(a), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, 1e-5)
+
+
+def test_attention_the_packed_pass_cannot_compute_is_refused(tmp_path):
+    """Gemma2's cap on attention scores is refused when the model is built, naming the key and the override that
+    drops it; an attention call with sink logits (gpt-oss) or a softcap is refused rather than ignored."""
+    tiny_text_family("gemma2", str(tmp_path), query_pre_attn_scalar=16)  # attn_logit_softcapping 50 by default
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 .*override_config"):
+        make_actor(str(tmp_path))
+    q = torch.zeros(1, 2, 3, 4)
+    for extra in ({"s_aux": torch.zeros(2)}, {"softcap": 50.0}):
+        with pytest.raises(ValueError, match="softcap.*s_aux.*not supported"):
+            modeling.packed_attention(torch.nn.Module(), q, q, q, **extra)
+
+
+def test_a_sliding_window_shorter_than_the_longest_sample_is_refused_at_start(tmp_path):
+    """The packed attention applies no window, so a model whose window is shorter than max_prompt_length +
+    max_response_length (64 + 8 here) is refused when the actor is built: Qwen2-MoE, which applies its window
+    through the attention mask alone (before, ignored without a word: 0.22 off in log-probs), and Mistral, whose
+    every layer slides; a window as long as the longest sample changes nothing and is accepted."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    tiny_text_family("qwen2_moe", str(tmp_path / "moe"), use_sliding_window=True, sliding_window=8,
+                     max_window_layers=1, **moe)
+    tiny_text_family("mistral", str(tmp_path / "mistral"), sliding_window=71)
+    for name in ("moe", "mistral"):
+        with pytest.raises(ValueError, match=r"sliding window \((8|71) tokens\) .* \(72\).*override_config"):
+            make_actor(str(tmp_path / name))
+    tiny_text_family("mistral", str(tmp_path / "fits"), sliding_window=72)
+    make_actor(str(tmp_path / "fits"))

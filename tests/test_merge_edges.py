@@ -358,3 +358,18 @@ def test_a_missing_folder_or_a_run_folder_is_said_as_such(tmp_path):
         (tmp_path / f"global_step_{step}" / "actor" / "model" / ".metadata").write_bytes(b"")
     with pytest.raises(merge.MergeError, match=re.escape("It holds global_step_10/actor, global_step_2/actor.")):
         merge.merge_checkpoint(str(tmp_path))
+
+
+def test_a_mixture_of_experts_model_is_refused_with_a_merge_error(tmp_path):
+    """transformers keeps a mixture of experts' experts fused in memory and splits them on save; merge.py writes
+    renamed tensors only, so it refuses the model with a MergeError naming why (before: a RuntimeError from
+    transformers' conversion of its empty probes)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=167, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(merge.MergeError, match="Qwen3MoeForCausalLM saves fused or split tensors.*mixture of experts"):
+        merge.hf_names(str(tmp_path))
