@@ -56,6 +56,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         raise ValueError(f"{model_cfg.model_path}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is "
                          "not implemented by the packed attention; override_config '{attn_logit_softcapping: null}' "
                          "drops it from the model (in the rollout too)")
+    if getattr(config.get_text_config(), "output_router_logits", False) and role == "actor":
+        logger.warning("%s: output_router_logits is set, but the packed pass adds no router auxiliary loss to the "
+                       "policy loss (transformers' forward would)", model_cfg.model_path)
     is_vl = getattr(config, "vision_config", None) is not None
     auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
     weights_dtype = compute_dtype if lora_rank else master_dtype

@@ -96,3 +96,13 @@ def test_a_sliding_window_shorter_than_the_longest_sample_is_refused_at_start(tm
             make_actor(str(tmp_path / name))
     tiny_text_family("mistral", str(tmp_path / "fits"), sliding_window=72)
     make_actor(str(tmp_path / "fits"))
+
+
+def test_a_router_auxiliary_loss_asked_for_is_said_to_be_left_out(tmp_path, caplog):
+    """A mixture of experts with output_router_logits (transformers would add router_aux_loss_coef x its auxiliary
+    loss): the actor warns that the packed pass adds none, rather than leaving it out without a word."""
+    tiny_text_family("qwen3_moe", str(tmp_path), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     output_router_logits=True)
+    with caplog.at_level("WARNING", logger="modeling"):
+        make_actor(str(tmp_path))
+    assert "output_router_logits is set, but the packed pass adds no router auxiliary loss" in caplog.text
