@@ -18,6 +18,8 @@ from test_data_families import tiny_family
 from test_rollout import HF_TOL, VLLM_TOL, config, reference_logprobs
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
+TEXT_FAMILIES = {"granite": {"logits_scaling": 8.0}, "cohere": {"logit_scale": 0.0625},
+                 "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,6 +39,42 @@ def test_vllm_engine_on_the_family(family, toy, tmp_path):
     assert run_ranks(sample_family, [(family, "vllm", toy["vl_model"], str(tmp_path))], timeout=600) == [0]
     gap = json.load(open(tmp_path / "gap.json"))
     assert gap < VLLM_TOL, f"max |logp_rollout - logp_reference| = {gap}"
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_vllm_engine_on_text_families(family, toy, tmp_path):
+    """Text families whose forward changes the logits (Granite, Cohere: the actor applies the same change, checked
+    in tests/test_actor_families.py) and a mixture of experts, whose experts the actor streams fused, as
+    transformers holds them: vLLM's log-probs equal transformers' forward."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (GPU extra: requirements-gpu.txt)")
+    if not torch.cuda.is_available():
+        pytest.skip("the vLLM engine needs a CUDA GPU")
+    assert run_ranks(sample_text_family, [(family, toy["text_model"], str(tmp_path))], timeout=600) == [0]
+    gap = json.load(open(tmp_path / "gap.json"))
+    assert gap < VLLM_TOL, f"max |logp_rollout - logp_reference| = {gap}"
+
+
+def sample_text_family(family, toy_model, folder):
+    """Two sampled responses to each of two prompts from vLLM on a tiny `family` text model, the weights streamed
+    under transformers' in-memory names; the largest |logp - reference| written to folder/gap.json."""
+    import shutil
+
+    from test_actor_families import tiny_text_family
+
+    model = tiny_text_family(family, folder, **TEXT_FAMILIES[family])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(toy_model, name), folder)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29522")
+    engine = rollout.make_rollout(config(name="vllm", gpu_memory_utilization=0.05), folder, max_prompt_length=32,
+                                  max_response_length=8, device="cuda")
+    engine.load_weights(iter(model.state_dict().items()))
+    prompts = [{"uid": "a", "prompt_ids": [5, 17, 40, 99, 3]}, {"uid": "b", "prompt_ids": [60, 61, 62]}]
+    gap = max((torch.tensor(r["logprobs"]) - reference_logprobs(model, prompts[r["prompt_index"]], r["response_ids"],
+                                                                1.0, banned=())).abs().max().item()
+              for r in engine.generate(prompts, n=2, max_tokens=8, seed=3))
+    with open(os.path.join(folder, "gap.json"), "w") as f:
+        json.dump(gap, f)
+    leave_rank()
 
 
 def sample_family(family, name, toy_model, folder):
