@@ -33,6 +33,7 @@ import math
 import os
 import random
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from modeling import (DTYPES, AdamWBF16, HostCopy, apply_overrides, batch_flops,
                       peak_tflops, shared_image_units, to_device)
 
 logger = logging.getLogger(__name__)
+warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP of one unsharded worker: intended
 
 
 # --- The objective: per-token policy losses, their aggregation, the KL penalty -------------------------------------
