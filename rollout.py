@@ -39,6 +39,7 @@ import warnings
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, DynamicCache,
                           GenerationConfig)
+from transformers.core_model_loading import revert_weight_conversion
 
 from modeling import DTYPES, apply_overrides
 
@@ -257,6 +258,11 @@ class VLLMRollout:
             trust_remote_code=getattr(cfg, "trust_remote_code", False), hf_overrides=overrides, **extra)
         self.llm.sleep(level=1)
         self.asleep, self.synced = {"weights", "kv_cache"}, False
+        auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+        with torch.device("meta"):  # transformers' model of the config: which tensors its save splits or fuses
+            self.meta = auto.from_config(config, trust_remote_code=getattr(cfg, "trust_remote_code", False))
+        self.converted = {name for name, t in self.meta.state_dict().items()  # split on save: a mixture's experts
+                          if len(revert_weight_conversion(self.meta, {name: t})) > 1}
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
         """As HFRollout.generate. The log-probs are vLLM's processed_logprobs (after the placeholder bias of
@@ -305,9 +311,12 @@ class VLLMRollout:
 
     def load_weights(self, named_tensors):
         """Stream (HF name, full tensor) pairs into vLLM's own loader (it slices for TP, fuses qkv / gate_up, maps HF
-        names of Qwen2/2.5/3-VL and text LMs), waking only the weights: no KV cache beside the actor's gathers."""
+        names of Qwen2/2.5/3-VL and text LMs), waking only the weights: no KV cache beside the actor's gathers. A
+        mixture's experts, fused in transformers' memory, go split as its save splits them, as vLLM reads them."""
         self.wake_up(tags={"weights"})
-        _vllm_internals(self.llm)["model"].load_weights(named_tensors)
+        _vllm_internals(self.llm)["model"].load_weights(
+            pair for name, t in named_tensors for pair in
+            (revert_weight_conversion(self.meta, {name: t}).items() if name in self.converted else [(name, t)]))
         self.synced = True
 
     def wake_up(self, tags=frozenset({"weights", "kv_cache"})):

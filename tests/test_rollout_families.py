@@ -44,8 +44,8 @@ def test_vllm_engine_on_the_family(family, toy, tmp_path):
 @pytest.mark.parametrize("family", TEXT_FAMILIES)
 def test_vllm_engine_on_text_families(family, toy, tmp_path):
     """Text families whose forward changes the logits (Granite, Cohere: the actor applies the same change, checked
-    in tests/test_actor_families.py) and a mixture of experts, whose experts the actor streams fused, as
-    transformers holds them: vLLM's log-probs equal transformers' forward."""
+    in tests/test_actor_families.py) and a mixture of experts, whose experts transformers holds fused and the engine
+    splits as transformers saves them: vLLM's log-probs equal transformers' forward."""
     pytest.importorskip("vllm", reason="vLLM is not installed (GPU extra: requirements-gpu.txt)")
     if not torch.cuda.is_available():
         pytest.skip("the vLLM engine needs a CUDA GPU")

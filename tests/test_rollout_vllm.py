@@ -199,3 +199,25 @@ def sample_with_override(path, out):
     with open(out, "w") as f:  # closed before leave_rank's os._exit
         json.dump(gaps, f)
     leave_rank()
+
+
+def test_vllm_gets_a_mixture_of_experts_weights_as_transformers_saves_them(toy, tmp_path, monkeypatch):
+    """transformers holds a mixture's experts fused ([experts, 2 x inner, hidden]) and saves one tensor per expert,
+    as vLLM reads them: the weight sync hands vLLM exactly the saved file's names and tensors (before, the fused
+    in-memory names, which vLLM's loader for checkpoints does not know)."""
+    from safetensors.torch import load_file
+    from test_actor_families import tiny_text_family
+
+    fake_vllm(monkeypatch)
+    model = tiny_text_family("qwen3_moe", str(tmp_path), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        open(tmp_path / name, "wb").write(open(os.path.join(toy["text_model"], name), "rb").read())
+    engine = rollout.make_rollout(config(name="vllm"), str(tmp_path), max_prompt_length=32, max_response_length=8,
+                                  device="cuda")
+    got = {}
+    monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
+    engine.load_weights(iter(model.state_dict().items()))
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in saved and got.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(got[name], tensor), name
