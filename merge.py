@@ -9,7 +9,8 @@ tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <outp
 <local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end (<output>.lock, held
 meanwhile, stops a second merge into the same output):
   full model    safetensors shards split and named as save_pretrained does (Qwen2.5-VL model.language_model.layers.*
-                -> model.layers.*; a tied lm_head left out), the huggingface/ files (config.json's "dtype": as written)
+                -> model.layers.*; a mixture's fused experts split one per expert; a tied lm_head left out), the
+                huggingface/ files (config.json's "dtype": as written)
   LoRA adapter  adapter_model.safetensors (peft's saved names), adapter_config.json (inference_mode true) and the
                 tokenizer/processor files
   --merge_lora  the full model with W <- W + scale * B @ A for every adapted linear (merged_tensor)
@@ -108,7 +109,7 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
 
 def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
     """The full model in safetensors shards of <= max_bytes (a larger single tensor gets its own shard) -> its dtype."""
-    saved_name, tied, shapes = hf_names(hf_dir)  # in-memory HF name -> the name save_pretrained writes
+    saved_name, tied, shapes, model = hf_names(hf_dir)  # in-memory HF name -> the names save_pretrained writes
     plan = lora_plan(tensors, lora) if lora else {key: (key, None) for key in tensors}
     missing, unexpected = sorted(saved_name.keys() - plan.keys()), sorted(plan.keys() - saved_name.keys() - tied)
     wrong = sorted(name for name in saved_name.keys() & plan.keys() if tensors[plan[name][0]].size != shapes[name])
@@ -125,11 +126,13 @@ def write_model(model_dir, tensors, hf_dir, lora, out_dir, dtype, max_bytes):
     for file, shard in split.filename_to_tensors.items():
         keys = [key for name in shard for key in (plan[name][0], *(plan[name][1] or ())[:2])]  # W (+ A, B)
         loaded = read_tensors(model_dir, tensors, keys)
-        out = {saved_name[name]: cast(merged_tensor(loaded, *plan[name], dtype), dtype) for name in shard}
+        out = {}
+        for name in shard:  # renamed, or (a mixture's fused experts) split as save_pretrained splits them
+            out.update(revert_weight_conversion(model, {name: cast(merged_tensor(loaded, *plan[name], dtype), dtype)}))
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
         del loaded, out
     if split.is_sharded:
-        weight_map = {saved_name[name]: file for name, file in split.tensor_to_filename.items()}
+        weight_map = {saved: file for name, file in split.tensor_to_filename.items() for saved in saved_name[name]}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": split.metadata, "weight_map": weight_map}, f, indent=2, sort_keys=True)
     return next(t.dtype for t in written.values() if t.is_floating_point())  # save_pretrained's model.dtype
@@ -245,8 +248,9 @@ def read_tensors(model_dir, tensors, keys):
 
 
 def hf_names(hf_dir):
-    """({in-memory name: saved name}, tied in-memory names, {in-memory name: shape}), from the model built on the
-    meta device and transformers' own revert_weight_conversion (what save_pretrained applies before writing)."""
+    """({in-memory name: [saved names]}, tied in-memory names, {in-memory name: shape}, the model on the meta device),
+    from transformers' own revert_weight_conversion (what save_pretrained applies before writing: a rename, or a
+    mixture of experts' fused experts split into one tensor per expert), applied to each tensor alone."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     cls = getattr(transformers, (config.architectures or ["(none)"])[0], None)  # the class the run trained
     if cls is None:
@@ -254,17 +258,12 @@ def hf_names(hf_dir):
     with torch.device("meta"):
         model = cls._from_config(config)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    probes = {name: torch.empty(0, device="meta") for name in model.state_dict() if name not in tied}
-    owner = {id(t): name for name, t in probes.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(probes))
-    except RuntimeError:  # a split of fused tensors (a mixture of experts' experts) fails on the empty probes
-        reverted = {}
-    saved = {owner.get(id(t)): name for name, t in reverted.items()}
-    if None in saved or len(saved) != len(probes):
-        raise MergeError(f"{type(model).__name__} saves fused or split tensors (a transformers conversion op, as for "
-                         f"a mixture of experts' experts); merge.py writes renamed tensors only")
-    return saved, tied, {name: tensor.shape for name, tensor in model.state_dict().items()}
+    state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+    saved = {name: list(revert_weight_conversion(model, {name: tensor})) for name, tensor in state.items()}
+    if sorted(n for names in saved.values() for n in names) != sorted(revert_weight_conversion(model, dict(state))):
+        raise MergeError(f"{type(model).__name__} saves tensors fused from several of its own (a transformers "
+                         f"conversion op); merge.py writes renamed or split tensors only")
+    return saved, tied, {name: tensor.shape for name, tensor in model.state_dict().items()}, model
 
 
 def cast(tensor, dtype):

@@ -360,16 +360,22 @@ def test_a_missing_folder_or_a_run_folder_is_said_as_such(tmp_path):
         merge.merge_checkpoint(str(tmp_path))
 
 
-def test_a_mixture_of_experts_model_is_refused_with_a_merge_error(tmp_path):
-    """transformers keeps a mixture of experts' experts fused in memory and splits them on save; merge.py writes
-    renamed tensors only, so it refuses the model with a MergeError naming why (before: a RuntimeError from
-    transformers' conversion of its empty probes)."""
-    from transformers import AutoConfig
+def test_a_mixture_of_experts_merges_into_what_save_pretrained_writes(toy, tmp_path):
+    """transformers keeps a mixture's experts fused in memory ([experts, 2 x inner, hidden]) and splits them on save,
+    one tensor per expert: the merged folder holds save_pretrained's tensors, names and values, in two shards with an
+    index (before: a RuntimeError from transformers' conversion of empty probes)."""
+    from safetensors.torch import load_file
+    from test_actor_families import tiny_text_family
 
-    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=167, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                               num_experts_per_tok=2, moe_intermediate_size=32)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    cfg.save_pretrained(tmp_path)
-    with pytest.raises(merge.MergeError, match="Qwen3MoeForCausalLM saves fused or split tensors.*mixture of experts"):
-        merge.hf_names(str(tmp_path))
+    model = tiny_text_family("qwen3_moe", str(tmp_path / "reference"), num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32)
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "actor" / "model"), no_dist=True)
+    write_hf_dir(toy["text_model"], str(tmp_path / "actor" / "huggingface"))
+    model.config.save_pretrained(tmp_path / "actor" / "huggingface")
+    out = merge.merge_checkpoint(str(tmp_path / "actor"), max_shard_size="100KB")
+    expected = load_file(tmp_path / "reference" / "model.safetensors")
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]
+    got = {k: v for f in set(index.values()) for k, v in load_file(os.path.join(out, f)).items()}
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in got and got.keys() == expected.keys() == index.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
