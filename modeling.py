@@ -83,9 +83,10 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         lora = model_cfg.lora
         targets = lora.target_modules if lora.target_modules == "all-linear" else \
             [t.strip() for t in lora.target_modules.split(",") if t.strip()]
+        exclude = None if lora.exclude_modules == ".*visual.*" and not is_vl else lora.exclude_modules  # no tower
         try:
             module = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
-                                                   target_modules=targets, exclude_modules=lora.exclude_modules))
+                                                   target_modules=targets, exclude_modules=exclude))
         except ValueError as e:  # e.g. peft's "No modules were targeted": name the keys
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r}, exclude_modules="
                              f"{lora.exclude_modules!r} (a regex): {str(e).splitlines()[0]}") from e

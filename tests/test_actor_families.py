@@ -106,3 +106,14 @@ def test_a_router_auxiliary_loss_asked_for_is_said_to_be_left_out(tmp_path, capl
     with caplog.at_level("WARNING", logger="modeling"):
         make_actor(str(tmp_path))
     assert "output_router_logits is set, but the packed pass adds no router auxiliary loss" in caplog.text
+
+
+def test_lora_on_a_text_model_keeps_the_default_exclude_quiet(tmp_path, recwarn):
+    """The default exclude_modules (.*visual.*) keeps adapters off a vision tower; a text model has none, and peft
+    warned at every text LoRA run that the pattern excluded nothing. A pattern the user sets is still passed on."""
+    tiny_text_family("qwen3", str(tmp_path))
+    a = make_actor(str(tmp_path), **{"model.lora.rank": 4})
+    assert any("lora_A" in name for name, _ in a.module.named_parameters())
+    assert not [w for w in recwarn if "no modules were excluded" in str(w.message)]
+    make_actor(str(tmp_path), **{"model.lora.rank": 4, "model.lora.exclude_modules": ".*nothing.*"})
+    assert [w for w in recwarn if "exclude_modules=.*nothing.* but no modules were excluded" in str(w.message)]
