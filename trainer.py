@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import statistics
@@ -120,6 +121,7 @@ class Run:
                 return metrics
             if self.step > 0:  # the checkpoint resumed from: its score counts toward the best, as at a save
                 self._keep_best(metrics)
+        first, frozen = self.step, 0  # frozen: steps whose every optimizer step was skipped (non-finite gradients)
         with tqdm(total=self.training_steps, initial=self.step, desc="steps", disable="console" not in t.logger) as bar:
             while self.step < self.training_steps:
                 self.step += 1
@@ -127,6 +129,7 @@ class Run:
                     metrics = self.train_step()
                 except RuntimeError as error:  # a worker or the reward function failed: say where, then stop
                     raise RuntimeError(f"training stopped at step {self.step}: {error}") from error.__cause__
+                frozen += math.isnan(metrics.get("actor/grad_norm", 0.0))  # NaN: no optimizer step was taken
                 last = self.step == self.training_steps
                 if last or (t.val_freq > 0 and self.step % t.val_freq == 0):  # the last step always validates
                     with timer(metrics, "validation"):
@@ -140,7 +143,9 @@ class Run:
                                  if k in metrics})
         plot = self.logger.plot()
         print(f"done: metrics in {self.logger.jsonl_path}" + (f", plot in {plot}" if plot else "")
-              + f", checkpoints in {self.ckpt_root}", flush=True)
+              + f", checkpoints in {self.ckpt_root}" + (f"; but {frozen} of the {self.step - first} steps changed no "
+              "weight: every optimizer step was skipped for a non-finite gradient (actor/skipped_steps)" if frozen
+              else ""), flush=True)
         return metrics
 
     def train_step(self):

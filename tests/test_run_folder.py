@@ -243,3 +243,15 @@ def test_a_tracker_without_folders_a_missing_shard_a_mis_named_path_and_save_lim
         os.makedirs(tmp_path / "d" / f"global_step_{step}")
     run_folder.remove_old_checkpoints(str(tmp_path / "d"), 5, 2, 1)
     assert folders(tmp_path / "d") == [2, 5]
+
+
+def test_a_run_whose_steps_all_skipped_their_update_says_so_at_the_end(tmp_path, capsys):
+    """Every optimizer step of steps 2 and 3 skipped for a NaN gradient (actor/grad_norm NaN, the mean of no finite
+    norm): the run still ends, but its last line says those steps changed no weight, not a plain "done"."""
+    run = fake_run(tmp_path, make_cfg(), training_steps=3)
+    norms = iter([1.5, float("nan"), float("nan")])
+    run.validate = lambda: {}
+    run.train_step = lambda: {"actor/grad_norm": next(norms)}
+    run.fit()
+    run.logger.close()
+    assert "; but 2 of the 3 steps changed no weight: every optimizer step was skipped" in capsys.readouterr().out
