@@ -271,10 +271,11 @@ def check_config(cfg):
             raise ConfigError(f"{key}={value} must be at least 1")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
-    if min(a.max_grad_norm, a.clip_ratio_low, a.clip_ratio_high) < 0 or (a.tis_cap is not None and a.tis_cap <= 0):
+    if min(a.max_grad_norm, a.clip_ratio_low, a.clip_ratio_high) < 0 or (a.tis_cap is not None and a.tis_cap <= 0) \
+            or a.clip_ratio_low > 1:  # 1 - clip_ratio_low < 0: no lower clip at all (EasyR1: NaN)
         raise ConfigError(f"worker.actor.max_grad_norm={a.max_grad_norm} (0: no clipping), clip_ratio_low="
-                          f"{a.clip_ratio_low}, clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap={a.tis_cap} (> 0 "
-                          f"or null): out of range (a negative one reverses or stops the gradient)")
+                          f"{a.clip_ratio_low} (in [0, 1]), clip_ratio_high={a.clip_ratio_high} (>= 0), tis_cap="
+                          f"{a.tis_cap} (> 0 or null): out of range (a negative one reverses or stops the gradient)")
     if min(alg.kl_coef, o.weight_decay, o.lr_warmup_steps or 0) < 0 or not 0 <= o.lr_warmup_ratio <= 1 \
             or not 0 <= (o.min_lr_ratio or 0) <= 1:  # beta < 0 pushes away from the reference; a ratio > 1 lifts lr
         raise ConfigError(f"algorithm.kl_coef={alg.kl_coef}, worker.actor.optim.weight_decay={o.weight_decay}, "
