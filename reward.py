@@ -296,8 +296,8 @@ def dapo_reward(sample, *, max_response_length, overlong_buffer_length, overlong
     answer = (DAPO_ANSWER.findall(sample["response"][-300:]) or ["[INVALID]"])[-1]
     accuracy = 1.0 if minerva_normalize(answer) == minerva_normalize(str(sample["ground_truth"])) else -1.0
     soft_start = max_response_length - overlong_buffer_length
-    # the formula above as one clip to [-1, 0]; max(L_buf, 1): with no buffer, -1 as soon as L > L_max
-    overlong = min(max((soft_start - sample["response_length"]) / max(overlong_buffer_length, 1), -1.0), 0.0)
+    # the formula above as one clip to [-1, 0]; (L_buf or 1): with no buffer, -1 as soon as L > L_max
+    overlong = min(max((soft_start - sample["response_length"]) / (overlong_buffer_length or 1), -1.0), 0.0)
     return {"overall": accuracy + overlong_penalty_factor * overlong, "accuracy": accuracy,
             "overlong": overlong, "accuracy_normalized": (accuracy + 1.0) / 2.0}
 

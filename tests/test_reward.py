@@ -231,6 +231,8 @@ def test_dapo_overlong_buffer_bounds():
     no_buffer = {**DAPO_KW, "overlong_buffer_length": 0}
     assert [reward.dapo_reward(sample("Answer: 4", "4", response_length=n), **no_buffer)["overlong"]
             for n in (0, 100, 101)] == [0.0, 0.0, -1.0]
+    part = {**DAPO_KW, "overlong_buffer_length": 0.5}  # EasyR1: (99.5 - 100) / 0.5 = -1 (was -0.5: divided by 1)
+    assert reward.dapo_reward(sample("Answer: 4", "4", response_length=100), **part)["overlong"] == -1.0
     for buffer in (-1, 120):
         with pytest.raises(RewardError, match="overlong_buffer_length"):
             load_reward_function("dapo", **{**DAPO_KW, "overlong_buffer_length": buffer})([sample("Answer: 4", "4")])
