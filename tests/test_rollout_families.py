@@ -68,7 +68,8 @@ def sample_text_family(family, toy_model, folder):
     engine = rollout.make_rollout(config(name="vllm", gpu_memory_utilization=0.05), folder, max_prompt_length=32,
                                   max_response_length=8, device="cuda")
     engine.load_weights(iter(model.state_dict().items()))
-    prompts = [{"uid": "a", "prompt_ids": [5, 17, 40, 99, 3]}, {"uid": "b", "prompt_ids": [60, 61, 62]}]
+    prompts = [{"uid": u, "prompt_ids": ids, "raw_prompt_ids": ids} for u, ids in (("a", [5, 17, 40, 99, 3]),
+                                                                                    ("b", [60, 61, 62]))]
     gap = max((torch.tensor(r["logprobs"]) - reference_logprobs(model, prompts[r["prompt_index"]], r["response_ids"],
                                                                 1.0, banned=())).abs().max().item()
               for r in engine.generate(prompts, n=2, max_tokens=8, seed=3))
