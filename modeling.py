@@ -380,8 +380,8 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
     [chunk, vocab] fp32 block exists at a time (forward and backward). Entropy carries no gradient. No rows still
     go through the head (one empty chunk): every rank's backward must reach every FSDP2 reduction."""
     def head(h, y):
-        z = lm_head(h).float() * scale  # [c, V]
-        z = (torch.tanh(z / cap) * cap if cap else z) / temperature
+        z = lm_head(h).float()  # [c, V]; one pass over it: x (scale / T), or the cap's tanh and x (cap / T)
+        z = torch.tanh(z * (scale / cap)) * (cap / temperature) if cap else z * (scale / temperature)
         logz = torch.logsumexp(z, dim=-1)  # [c]
         logp = z.gather(-1, y[:, None])[:, 0] - logz
         with torch.no_grad():
