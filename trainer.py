@@ -101,7 +101,12 @@ class Run:
         self.logger = Logger(self.ckpt_root, t.logger, cfg)  # and starts no tracker run
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
-        self.workers = WorkerGroup(cfg, self.training_steps)
+        try:
+            self.workers = WorkerGroup(cfg, self.training_steps)
+        except RuntimeError as e:  # the actor refuses the model as configured (LoRA, a window): its message alone
+            if not isinstance(e.__cause__, ValueError):
+                raise
+            raise ConfigError(str(e.__cause__)) from None
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
         if not t.val_only:  # once the resume is through: a refused one leaves the config that trained
