@@ -140,6 +140,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     if rank0_init:  # rank 0's weights to the meta-built ranks, then the buffers no state dict holds (rotary inv_freq)
         set_model_state_dict(module, full_state or {}, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
+        if tied:  # the load gave the meta-built ranks' head its own tensor: a stray parameter in their optimizer
+            hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
         comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
         for m in hf.modules():
             for name, buf in list(m.named_buffers(recurse=False, remove_duplicate=False)):

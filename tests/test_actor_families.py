@@ -2,13 +2,17 @@
 built by data.py (images, a video, text) for a tiny random Qwen2-VL, and for text families whose own forward changes
 the logits (Granite, Cohere, Gemma2). Qwen2.5-VL (the toy's family), Qwen3-VL and Qwen2 are in tests/test_actor.py."""
 
+import os
+
 import pytest
 import torch
 
 import modeling
+from conftest import leave_rank, run_ranks
 from test_actor import (assert_grads_close, assert_packed_equals_per_sequence, full_grads, make_actor, packed_backward,
                         reference_log_probs, text_sample, token_weights)
 from test_data import builder, clip, config, png
+from test_actor_update import _free_port
 from test_data_families import tiny_family
 
 
@@ -117,3 +121,43 @@ def test_lora_on_a_text_model_keeps_the_default_exclude_quiet(tmp_path, recwarn)
     assert not [w for w in recwarn if "no modules were excluded" in str(w.message)]
     make_actor(str(tmp_path), **{"model.lora.rank": 4, "model.lora.exclude_modules": ".*nothing.*"})
     assert [w for w in recwarn if "exclude_modules=.*nothing.* but no modules were excluded" in str(w.message)]
+
+
+def _tied_rank(rank, port, path, out):
+    """One of two gloo ranks building the actor of a tied model (rank 1 on the meta device, rank 0's weights
+    broadcast); -> {rank: (head is embeddings, parameters, optimizer parameters)}, then the optimizer's state dict."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    a = make_actor(path)
+    seen = (a.hf.get_output_embeddings().weight is a.hf.get_input_embeddings().weight, len(list(a.module.parameters())),
+            sum(len(group["params"]) for group in a.optimizer.param_groups))
+    torch.save(seen, f"{out}.{rank}")
+    get_optimizer_state_dict(a.module, a.optimizer)  # what a checkpoint saves: a KeyError on rank 1 before
+    dist.destroy_process_group()
+    leave_rank()
+
+
+def test_a_tied_head_stays_tied_on_the_ranks_that_receive_rank_0s_weights(tmp_path):
+    """enable_rank0_init (the default) on two ranks with tie_word_embeddings (Qwen2.5-VL-3B, Gemma): the broadcast
+    load gave rank 1's head a tensor of its own, one parameter more in its optimizer, and the first checkpoint save
+    failed with a KeyError. Now both ranks hold the same tied parameters and the optimizer state dict is built."""
+    port, folder = _free_port(), str(tmp_path / "tied")
+    tiny_text_family("qwen3", folder, tie_word_embeddings=True)
+    codes = run_ranks(_tied_rank, [(r, port, folder, str(tmp_path / "seen")) for r in (0, 1)], timeout=240)
+    seen = [torch.load(f"{tmp_path / 'seen'}.{r}") for r in (0, 1)]
+    assert seen[0] == seen[1] and seen[0][0] and seen[0][1] == seen[0][2], seen
+    assert codes == [0, 0], f"rank exit codes {codes}"
+
+
+def test_recurrent_and_hybrid_models_are_refused_at_build(tmp_path):
+    """LFM2's short convolutions and Falcon-H1's Mamba layers run across the packed row, past the boundaries that
+    only attention is given: a later sequence's log-probs were off by up to 0.75 (a helper's probe), silently."""
+    tiny_text_family("lfm2", str(tmp_path / "lfm2"), layer_types=["conv", "full_attention"])
+    tiny_text_family("falcon_h1", str(tmp_path / "falcon_h1"), mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                     mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)
+    for name, mixer in (("lfm2", "conv"), ("falcon_h1", "hybrid, mamba")):
+        with pytest.raises(ValueError, match=f"its {mixer} layers carry a state along the sequence"):
+            make_actor(str(tmp_path / name))
