@@ -264,11 +264,13 @@ class Actor:
                              "applies no window: lower the lengths, or drop the window in worker.actor.model."
                              "override_config (use_sliding_window: false on Qwen2 and Qwen3, sliding_window: null "
                              "elsewhere), which changes the model in the rollout too")
-        mixers = {t for t in getattr(text, "layer_types", None) or [] if t not in ("full_attention", "sliding_attention")}
-        if mixers := sorted(mixers | ({"mamba"} if any(k.startswith("mamba_") for k in text.to_dict()) else set())):
-            raise ValueError(f"{cfg.model.model_path}: its {', '.join(mixers)} layers carry a state along the sequence, "
-                             "but the packed pass, several sequences to a row, gives their boundaries to attention "
-                             "only: each would see the ones before it. Recurrent and hybrid models are not supported")
+        mixers = {t for t in getattr(text, "layer_types", None) or [] if t not in ("full_attention",
+                                                                                   "sliding_attention")}
+        if mixers := sorted(mixers | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
+            raise ValueError(f"{cfg.model.model_path}: its {', '.join(mixers)} layers carry a state along the "
+                             "sequence, but the packed pass, several sequences to a row, gives their boundaries to "
+                             "attention only: each would see the ones before it. Recurrent and hybrid models are not "
+                             "supported")
         self.is_vl = getattr(self.hf_config, "vision_config", None) is not None
         self.image_token_id = getattr(self.hf_config, "image_token_id", None)
         self.video_token_id = getattr(self.hf_config, "video_token_id", None)
