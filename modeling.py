@@ -99,6 +99,12 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on {odd[0]}, "
                              f"not a Linear layer: the weight sync and merge.py merge Linear adapters only (a mixture "
                              f"of experts' experts: list the modules, e.g. q_proj,k_proj,v_proj,o_proj)")
+        adapted = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules() if hasattr(m, "base_layer")})
+        logger.info("actor: LoRA rank %d on %s; every other weight frozen", lora.rank, ", ".join(adapted))
+        if fused := [n for n, m in hf.named_modules() if n.endswith("experts") and [*m.parameters(recurse=False)]]:
+            logger.warning("worker.actor.model.lora.target_modules=%r leaves the experts (%s, ...) frozen: a "
+                           "mixture's fused experts are not Linear layers, which peft adapts", lora.target_modules,
+                           fused[0])
         for p in module.parameters():
             p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
     full_state = dict(module.state_dict()) if rank0_init and dist.get_rank() == 0 else None

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes what is written, so stale caches are rebuilt.
-TOY_VERSION = 15
+TOY_VERSION = 16
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
@@ -74,8 +74,8 @@ def ensure_toy(root=".toy", seed=0):
     tmp = tempfile.mkdtemp(prefix=".toy-build-", dir=os.path.dirname(root) or ".")
     os.chmod(tmp, 0o755)  # a usual folder once in place (mkdtemp makes it 0700), as merge.py's output
     tokenizer = build_tokenizer()
-    build_vl_model(os.path.join(tmp, "vl_model"), tokenizer, seed)
-    build_text_model(os.path.join(tmp, "text_model"), tokenizer, seed)
+    build_text_model(os.path.join(tmp, "text_model"), tokenizer, seed)  # first: the VL processor marks the tokenizer
+    build_vl_model(os.path.join(tmp, "vl_model"), tokenizer, seed)        # as its own (processor_class)
     _write_task(os.path.join(tmp, "colors"), colors_row, random.Random(seed), n_train=512, n_test=64)
     _write_task(os.path.join(tmp, "sums"), sums_row, random.Random(seed + 1), n_train=512, n_test=64)
     _write_task(os.path.join(tmp, "video_colors"), video_colors_row, random.Random(seed + 3), n_train=256, n_test=32)

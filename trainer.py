@@ -499,6 +499,9 @@ def main(argv=None):
         kind = "config" if isinstance(e, ConfigError) else "checkpoint" if isinstance(e, CheckpointError) else "data"
         print(f"{kind} error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ray's exit hook stops any worker started
+        print("\ninterrupted during start-up: nothing was trained", file=sys.stderr, flush=True)
+        raise SystemExit(130)
     try:
         run.fit()
     except KeyboardInterrupt:

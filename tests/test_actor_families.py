@@ -161,3 +161,20 @@ def test_recurrent_and_hybrid_models_are_refused_at_build(tmp_path):
     for name, mixer in (("lfm2", "conv"), ("falcon_h1", "hybrid, mamba")):
         with pytest.raises(ValueError, match=f"its {mixer} layers carry a state along the sequence"):
             make_actor(str(tmp_path / name))
+
+
+def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, toy, caplog):
+    """Qwen3-VL-MoE holds its experts fused (not Linear), which all-linear LoRA leaves out: attention-only adapters
+    trained without a word before. The layers adapted are logged, and the frozen experts warned of."""
+    import transformers as tf
+
+    dense = tiny_family("qwen3_vl", str(tmp_path / "dense"), toy)[0].config
+    text = {**dense.text_config.to_dict(), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    config = tf.Qwen3VLMoeConfig(text_config=text, vision_config=dense.vision_config.to_dict(),
+                                 **{k: getattr(dense, k) for k in ("image_token_id", "video_token_id",
+                                                                   "vision_start_token_id", "vision_end_token_id")})
+    tf.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(tmp_path / "moe")
+    with caplog.at_level("INFO", logger="modeling"):
+        make_actor(str(tmp_path / "moe"), **{"model.lora.rank": 4})
+    assert "LoRA rank 4 on k_proj, o_proj, q_proj, v_proj; every other weight frozen" in caplog.text
+    assert "leaves the experts (model.language_model.layers.0.mlp.experts, ...) frozen" in caplog.text

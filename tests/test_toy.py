@@ -36,7 +36,7 @@ def test_vl_model_reloads_through_auto_classes(toy):
 
 
 def test_text_model_and_tokenizer_round_trip(toy):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
     for path in (toy["text_model"], toy["vl_model"]):
         tok = AutoTokenizer.from_pretrained(path)
@@ -54,6 +54,8 @@ def test_text_model_and_tokenizer_round_trip(toy):
                 assert len(tok(text)["input_ids"]) == 1, repr(text)
     model = AutoModelForCausalLM.from_pretrained(toy["text_model"])
     assert type(model).__name__ == "Qwen2ForCausalLM"
+    for name in ("text_model", "text_warm"):  # another tool's AutoProcessor: the tokenizer, not the VL processor's
+        assert type(AutoProcessor.from_pretrained(toy[name])) is type(AutoTokenizer.from_pretrained(toy[name]))
     rows = pd.read_parquet(os.path.join(toy["sums"], "test.parquet"))
     a, b = rows.iloc[0]["problem"].removeprefix("What is ").removesuffix("?").split(" + ")
     assert int(a) + int(b) == int(rows.iloc[0]["answer"])

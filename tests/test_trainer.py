@@ -309,6 +309,17 @@ def test_an_interrupt_exits_130_saying_the_step_and_whether_a_checkpoint_is_ther
     assert f"interrupted at step 4; no checkpoint in {tmp_path} yet" in capsys.readouterr().out
 
 
+def test_an_interrupt_during_start_up_exits_130_in_one_line(monkeypatch, capsys):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "Run", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main([])
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "\ninterrupted during start-up: nothing was trained\n"
+
+
 def test_text_only_toy_config_resolves():
     cfg = load_config(os.path.join(ROOT, "configs", "toy_text.yaml"))
     assert cfg.worker.actor.model.model_path.endswith("text_warm") and cfg.data.train_files.endswith("@train")
