@@ -253,24 +253,10 @@ class Actor:
         compile_layers = cfg.use_torch_compile and self.device.type == "cuda"
         if cfg.use_torch_compile and not compile_layers and self.rank == 0:
             logger.info("%s: use_torch_compile applies on CUDA only; the layers run eagerly on %s", role, self.device)
+        longest = (max_prompt_length or 0) + (max_response_length or 0)  # a sample's most tokens
         self.hf, self.module, self.hf_config = build_model(cfg, role, self.device, master, self.compute_dtype,
-                                                           self.lora_rank, compile_layers)
+                                                           self.lora_rank, compile_layers, longest)
         text = self.hf_config.get_text_config()
-        window, longest = getattr(text, "sliding_window", None), (max_prompt_length or 0) + (max_response_length or 0)
-        if window and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]) \
-                and longest > window:  # layer_types: which layers slide (without it, every layer: Mistral)
-            raise ValueError(f"{cfg.model.model_path}: its sliding window ({window} tokens) is shorter than "
-                             f"data.max_prompt_length + max_response_length ({longest}), and the packed attention "
-                             "applies no window: lower the lengths, or drop the window in worker.actor.model."
-                             "override_config (use_sliding_window: false on Qwen2 and Qwen3, sliding_window: null "
-                             "elsewhere), which changes the model in the rollout too")
-        mixers = {t for t in getattr(text, "layer_types", None) or [] if t not in ("full_attention",
-                                                                                   "sliding_attention")}
-        if mixers := sorted(mixers | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
-            raise ValueError(f"{cfg.model.model_path}: its {', '.join(mixers)} layers carry a state along the "
-                             "sequence, but the packed pass, several sequences to a row, gives their boundaries to "
-                             "attention only: each would see the ones before it. Recurrent and hybrid models are not "
-                             "supported")
         self.is_vl = getattr(self.hf_config, "vision_config", None) is not None
         self.image_token_id = getattr(self.hf_config, "image_token_id", None)
         self.video_token_id = getattr(self.hf_config, "video_token_id", None)

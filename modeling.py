@@ -40,8 +40,9 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
 
 # --- Building the model: loading, LoRA, FSDP2 ----------------------------------------------------------------------
 
-def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compile_layers=False):
-    """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward.
+def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compile_layers=False, longest=0):
+    """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward; a model
+    that check_packable refuses for sequences of `longest` tokens is refused before its weights load.
 
     A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config; attention is packed_attention.
     LoRA adapters in the master dtype on frozen base weights in the compute dtype. With fsdp.enable_rank0_init rank 0
@@ -52,10 +53,7 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
     AttentionInterface.register(ATTENTION, packed_attention)
     config = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code)
     apply_overrides(config, model_cfg.override_config)
-    if cap := getattr(config.get_text_config(), "attn_logit_softcapping", None):
-        raise ValueError(f"{model_cfg.model_path}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is "
-                         "not implemented by the packed attention; override_config '{attn_logit_softcapping: null}' "
-                         "drops it from the model (in the rollout too)")
+    check_packable(config, longest, model_cfg.model_path)
     if getattr(config.get_text_config(), "output_router_logits", False) and role == "actor":
         logger.warning("%s: output_router_logits is set, but the packed pass adds no router auxiliary loss to the "
                        "policy loss (transformers' forward would)", model_cfg.model_path)
@@ -156,6 +154,31 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
                 m._buffers[name] = local.to(device)
     register_fsdp_forward_method(hf, "packed_forward")  # the root's parameters are gathered around it
     return hf, module, config
+
+
+def check_packable(config, longest, where):
+    """Refuse, from the config alone, a model whose token mixing the packed pass would get wrong: attention scores
+    capped (Gemma2), a sliding window shorter than `longest` tokens (the packed attention applies none), and
+    recurrent or hybrid layers (conv, Mamba, linear attention), which run across the packed row, past the sequence
+    boundaries that only attention is given. Called by build_model and, before any worker starts, by the trainer."""
+    text = config.get_text_config()
+    if cap := getattr(text, "attn_logit_softcapping", None):
+        raise ValueError(f"{where}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is not implemented "
+                         "by the packed attention; override_config '{attn_logit_softcapping: null}' drops it from the "
+                         "model (in the rollout too)")
+    window = getattr(text, "sliding_window", None)
+    if window and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]) \
+            and longest > window:  # layer_types: which layers slide (without it, every layer: Mistral)
+        raise ValueError(f"{where}: its sliding window ({window} tokens) is shorter than data.max_prompt_length + "
+                         f"max_response_length ({longest}), and the packed attention applies no window: lower the "
+                         "lengths, or drop the window in worker.actor.model.override_config (use_sliding_window: "
+                         "false on Qwen2 and Qwen3, sliding_window: null elsewhere), which changes the model in the "
+                         "rollout too")
+    mixers = {t for t in getattr(text, "layer_types", None) or [] if t not in ("full_attention", "sliding_attention")}
+    if mixers := sorted(mixers | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
+        raise ValueError(f"{where}: its {', '.join(mixers)} layers carry a state along the sequence, but the packed "
+                         "pass, several sequences to a row, gives their boundaries to attention only: each would see "
+                         "the ones before it. Recurrent and hybrid models are not supported")
 
 
 def apply_overrides(config, overrides, where="worker.actor.model.override_config"):

@@ -31,7 +31,7 @@ import data
 import reward
 import rollout
 from config import ConfigError, config_to_dict, load_config
-from modeling import apply_overrides
+from modeling import apply_overrides, check_packable
 from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoint, move_aside, remove_checkpoint,
                         remove_old_checkpoints, set_aside_later, write_atomic)
 from workers import WorkerGroup, show_logs
@@ -65,9 +65,10 @@ class Run:
             where = "" if os.path.isdir(model.model_path) else " (no such folder, and no hub model id that loads)"
             raise ConfigError(f"worker.actor.model.model_path={model.model_path!r}{where}: its config does not load: "
                               f"{(str(e).splitlines() or [repr(e)])[0]}") from None
-        try:  # override_config's keys, checked against the model's config now, not in each worker's setup
+        try:  # override_config's keys, and a model the packed pass cannot compute: now, not in each worker's setup
             if model.override_config:
                 apply_overrides(hf_config, model.override_config)
+            check_packable(hf_config, d.max_prompt_length + d.max_response_length, model.model_path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,

@@ -163,6 +163,20 @@ def test_recurrent_and_hybrid_models_are_refused_at_build(tmp_path):
             make_actor(str(tmp_path / name))
 
 
+def test_the_trainer_refuses_what_the_packed_pass_cannot_compute_before_any_worker(tmp_path, monkeypatch, capsys):
+    """From the model's config on the driver, in seconds and one line, not after each worker loaded the weights."""
+    import trainer
+
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("workers started before the refusal"))
+    tiny_text_family("lfm2", str(tmp_path / "lfm2"), layer_types=["conv", "full_attention"])
+    tiny_text_family("mistral", str(tmp_path / "mistral"), sliding_window=16)
+    capsys.readouterr()  # the saves' progress bars
+    for name, message in (("lfm2", "its conv layers carry a state"), ("mistral", "its sliding window (16 tokens)")):
+        code = trainer.main([f"worker.actor.model.model_path={tmp_path / name}", "worker.rollout.name=hf",
+                             f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+        assert code == 2 and capsys.readouterr().err.startswith(f"config error: {tmp_path / name}: {message}")
+
+
 def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, toy, caplog):
     """Qwen3-VL-MoE holds its experts fused (not Linear), which all-linear LoRA leaves out: attention-only adapters
     trained without a word before. The layers adapted are logged, and the frozen experts warned of."""
