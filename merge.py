@@ -8,9 +8,10 @@ of the model state dict, peft's names for LoRA, from any number of ranks) and <l
 tokenizer, processor, chat template; adapter_config.json for LoRA). Writes <output> (default <local_dir>/merged, or
 <local_dir>/adapter for LoRA without --merge_lora) through <output>.partial, renamed at the end (<output>.lock, held
 meanwhile, stops a second merge into the same output):
-  full model    safetensors shards split and named as save_pretrained does (Qwen2.5-VL model.language_model.layers.*
-                -> model.layers.*; a mixture's fused experts split one per expert; a tied lm_head left out), the
-                huggingface/ files (config.json's "dtype": as written)
+  full model    safetensors shards with save_pretrained's names and tensors (Qwen2.5-VL model.language_model.layers.*
+                -> model.layers.*; a mixture's fused experts split one per expert; a tied lm_head left out), cut
+                where it cuts them (a mixture's: elsewhere, planned over the fused tensors), the huggingface/ files
+                (config.json's "dtype": as written)
   LoRA adapter  adapter_model.safetensors (peft's saved names), adapter_config.json (inference_mode true) and the
                 tokenizer/processor files
   --merge_lora  the full model with W <- W + scale * B @ A for every adapted linear (merged_tensor)

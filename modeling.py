@@ -166,14 +166,13 @@ def check_packable(config, longest, where):
         raise ValueError(f"{where}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is not implemented "
                          "by the packed attention; override_config '{attn_logit_softcapping: null}' drops it from the "
                          "model (in the rollout too)")
-    window = getattr(text, "sliding_window", None)
-    if window and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]) \
-            and longest > window:  # layer_types: which layers slide (without it, every layer: Mistral)
+    window, kinds = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)  # no layer_types:
+    if window and "sliding_attention" in (kinds or ["sliding_attention"]) and longest > window:  # all slide (Mistral)
+        drop = "{sliding_window: null" + (", layer_types: [full_attention, ...]}' (one per layer)" if kinds else "}'")
         raise ValueError(f"{where}: its sliding window ({window} tokens) is shorter than data.max_prompt_length + "
                          f"max_response_length ({longest}), and the packed attention applies no window: lower the "
-                         "lengths, or drop the window in worker.actor.model.override_config (use_sliding_window: "
-                         "false on Qwen2 and Qwen3, sliding_window: null elsewhere), which changes the model in the "
-                         "rollout too")
+                         f"lengths, or drop the window in the rollout too with worker.actor.model.override_config="
+                         f"'{drop}")  # (use_sliding_window, read when the config is built, would change nothing)
     mixers = {t for t in getattr(text, "layer_types", None) or [] if t not in ("full_attention", "sliding_attention")}
     if mixers := sorted(mixers | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
         raise ValueError(f"{where}: its {', '.join(mixers)} layers carry a state along the sequence, but the packed "
@@ -427,10 +426,12 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
 
 def logit_scale_and_cap(config):
     """(scale, cap): what the family's ForCausalLM.forward does to lm_head's logits, which the packed pass applies as
-    the rollout engine does: x logit_scale (Cohere), / logits_scaling (Granite), then Gemma's final_logit_softcapping.
-    A family that changes them otherwise is not covered (the README's list of checked text families)."""
+    the rollout engine does: x logit_scale (Cohere), / logits_scaling (Granite; x it in HyperCLOVAX), then Gemma's
+    final_logit_softcapping. A family that changes them otherwise is not covered (the README's list of checked text
+    families; rollout/logp_diff_mean shows such a gap)."""
     text = config.get_text_config()
-    scale = (getattr(text, "logit_scale", None) or 1.0) / (getattr(text, "logits_scaling", None) or 1.0)
+    scaling = getattr(text, "logits_scaling", None) or 1.0
+    scale = (getattr(text, "logit_scale", None) or 1.0) * (scaling if "hyperclovax" in text.model_type else 1 / scaling)
     return scale, getattr(text, "final_logit_softcapping", None)
 
 

@@ -261,8 +261,13 @@ class VLLMRollout:
         auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
         with torch.device("meta"):  # transformers' model of the config: which tensors its save splits or fuses
             self.meta = auto.from_config(config, trust_remote_code=getattr(cfg, "trust_remote_code", False))
-        self.converted = {name for name, t in self.meta.state_dict().items()  # split on save: a mixture's experts
-                          if len(revert_weight_conversion(self.meta, {name: t})) > 1}
+        self.saved_names, self.converted = {}, set()  # what transformers' save renames, and what it splits or changes
+        for name, t in self.meta.state_dict().items():  # (Qwen2.5-VL's and Mixtral's layouts; a mixture's experts)
+            saved = revert_weight_conversion(self.meta, {name: t})
+            if len(saved) == 1 and next(iter(saved.values())) is t:  # the same tensor, maybe under another name
+                self.saved_names[name] = next(iter(saved))
+            else:
+                self.converted.add(name)
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, seed=0):
         """As HFRollout.generate. The log-probs are vLLM's processed_logprobs (after the placeholder bias of
@@ -311,12 +316,14 @@ class VLLMRollout:
 
     def load_weights(self, named_tensors):
         """Stream (HF name, full tensor) pairs into vLLM's own loader (it slices for TP, fuses qkv / gate_up, maps HF
-        names of Qwen2/2.5/3-VL and text LMs), waking only the weights: no KV cache beside the actor's gathers. A
-        mixture's experts, fused in transformers' memory, go split as its save splits them, as vLLM reads them."""
+        names of Qwen2/2.5/3-VL and text LMs), waking only the weights: no KV cache beside the actor's gathers. Each
+        tensor goes as transformers' save writes it, the checkpoint layout vLLM reads: renamed (Qwen2.5-VL's
+        `visual.`, Mixtral's `block_sparse_moe.gate`), a mixture's fused experts split one per expert."""
         self.wake_up(tags={"weights"})
         _vllm_internals(self.llm)["model"].load_weights(
-            pair for name, t in named_tensors for pair in
-            (revert_weight_conversion(self.meta, {name: t}).items() if name in self.converted else [(name, t)]))
+            pair for name, t in named_tensors for pair in (revert_weight_conversion(self.meta, {name: t}).items()
+                                                           if name in self.converted else
+                                                           [(self.saved_names.get(name, name), t)]))
         self.synced = True
 
     def wake_up(self, tags=frozenset({"weights", "kv_cache"})):

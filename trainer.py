@@ -37,6 +37,7 @@ from run_folder import (LOGGERS, TRACKER, CheckpointError, Logger, find_checkpoi
 from workers import WorkerGroup, show_logs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LOGP_DIFF_ALARM = 0.5  # nats: a mean |rollout - actor| log-prob gap above this is warned of at every step
 
 # --- The loop ---------------------------------------------------------------------------------
 
@@ -386,6 +387,12 @@ def _batch_metrics(prompts, responses, samples, cfg, metrics):
     diffs = torch.cat([(s["rollout_logprobs"] - s["old_logprobs"].float()).abs() for s in samples])
     if len(diffs):  # a broken weight sync shows up here first
         out.update({"rollout/logp_diff_mean": diffs.mean().item(), "rollout/logp_diff_max": diffs.max().item()})
+        if out["rollout/logp_diff_mean"] > LOGP_DIFF_ALARM:
+            tqdm.write(f"warning: the actor's log-probs of the sampled tokens differ from the rollout engine's by "
+                       f"{out['rollout/logp_diff_mean']:.2f} on average (rollout/logp_diff_mean; ~0.01 in a healthy "
+                       f"bf16 run): the engine sampled another model or prompt than the actor trains on (a weight "
+                       f"sync that did not take, a template or image handled otherwise, a family whose logits the "
+                       f"actor computes otherwise), so the PPO ratios are off")
     tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     step_time = metrics.get("timing_s/step", 0.0)
     out.update({"perf/total_num_tokens": tokens, "perf/time_per_step": step_time,

@@ -56,12 +56,13 @@ def tiny_text_family(model_type, path, **changes):
 
 
 @pytest.mark.parametrize("model_type, changes", [
-    ("granite", {"logits_scaling": 8.0}), ("cohere", {"logit_scale": 0.0625}),
+    ("granite", {"logits_scaling": 8.0}), ("cohere", {"logit_scale": 0.0625}), ("hyperclovax", {"logits_scaling": 4.0}),
     ("gemma2", {"final_logit_softcapping": 0.2, "attn_logit_softcapping": None, "query_pre_attn_scalar": 16})])
 def test_text_families_that_change_their_logits_keep_doing_so_packed(model_type, changes, tmp_path):
-    """Granite divides lm_head's logits by logits_scaling, Cohere multiplies them by logit_scale, Gemma2 caps them at
-    final_logit_softcapping (0.2 here, as this random model's logits stay below ~0.5): the packed log-probs and
-    gradients equal the model's own forward (before, they differed by up to 0.61)."""
+    """Granite divides lm_head's logits by logits_scaling (HyperCLOVAX multiplies), Cohere multiplies them by
+    logit_scale, Gemma2 caps them at final_logit_softcapping (0.2 here, as this random model's logits stay below
+    ~0.5): the packed log-probs and gradients equal the model's own forward (before, they differed by up to 0.61;
+    HyperCLOVAX, divided as Granite, by 1.56)."""
     model = tiny_text_family(model_type, str(tmp_path), **changes)
     samples = [text_sample(4, 1), text_sample(7, 2, prompt_len=3), text_sample(1, 3, prompt_len=12)]
     a, weights = make_actor(str(tmp_path)), token_weights(samples)
@@ -96,10 +97,14 @@ def test_a_sliding_window_shorter_than_the_longest_sample_is_refused_at_start(tm
                      max_window_layers=1, **moe)
     tiny_text_family("mistral", str(tmp_path / "mistral"), sliding_window=71)
     for name in ("moe", "mistral"):
-        with pytest.raises(ValueError, match=r"sliding window \((8|71) tokens\) .* \(72\).*override_config"):
+        with pytest.raises(ValueError, match=r"sliding window \((8|71) tokens\) .* \(72\).*override_config") as e:
             make_actor(str(tmp_path / name))
+        assert ("layer_types: [full_attention, ...]" in str(e.value)) == (name == "moe")  # Mistral has none
     tiny_text_family("mistral", str(tmp_path / "fits"), sliding_window=72)
     make_actor(str(tmp_path / "fits"))
+    for name, drop in (("moe", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),  # the advice works
+                       ("mistral", {"sliding_window": None})):  # (use_sliding_window: false came too late: refused)
+        make_actor(str(tmp_path / name), **{"model.override_config": drop})
 
 
 def test_a_router_auxiliary_loss_asked_for_is_said_to_be_left_out(tmp_path, caplog):

@@ -50,6 +50,7 @@ def fake_stages(monkeypatch):
     monkeypatch.setattr(trainer.reward, "load_reward_function", lambda name, **kw: None)
     monkeypatch.setattr(trainer, "WorkerGroup", FakeWorkers)
     monkeypatch.setattr(trainer, "AutoConfig", types.SimpleNamespace(from_pretrained=lambda *a, **k: None))  # a hub id
+    monkeypatch.setattr(trainer, "check_packable", lambda *a: None)  # of that (absent) config
     return calls
 
 

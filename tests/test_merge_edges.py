@@ -362,7 +362,7 @@ def test_a_missing_folder_or_a_run_folder_is_said_as_such(tmp_path):
 
 def test_a_mixture_of_experts_merges_into_what_save_pretrained_writes(toy, tmp_path):
     """transformers keeps a mixture's experts fused in memory ([experts, 2 x inner, hidden]) and splits them on save,
-    one tensor per expert: the merged folder holds save_pretrained's tensors, names and values, in two shards with an
+    one tensor per expert: the merged folder holds save_pretrained's tensors, names and values, in several shards with an
     index (before: a RuntimeError from transformers' conversion of empty probes)."""
     from safetensors.torch import load_file
     from test_actor_families import tiny_text_family

@@ -201,15 +201,20 @@ def sample_with_override(path, out):
     leave_rank()
 
 
-def test_vllm_gets_a_mixture_of_experts_weights_as_transformers_saves_them(toy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family, changes, split", [
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "mlp.experts.3.gate_proj"),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "block_sparse_moe.experts.3.w1")])
+def test_vllm_gets_a_mixture_of_experts_weights_as_transformers_saves_them(family, changes, split, toy, tmp_path,
+                                                                          monkeypatch):
     """transformers holds a mixture's experts fused ([experts, 2 x inner, hidden]) and saves one tensor per expert,
     as vLLM reads them: the weight sync hands vLLM exactly the saved file's names and tensors (before, the fused
-    in-memory names, which vLLM's loader for checkpoints does not know)."""
+    in-memory names, which vLLM's loader for checkpoints does not know; then Mixtral's router still went under its
+    in-memory name mlp.gate, where vLLM's Mixtral has block_sparse_moe.gate)."""
     from safetensors.torch import load_file
     from test_actor_families import tiny_text_family
 
     fake_vllm(monkeypatch)
-    model = tiny_text_family("qwen3_moe", str(tmp_path), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    model = tiny_text_family(family, str(tmp_path), **changes)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         open(tmp_path / name, "wb").write(open(os.path.join(toy["text_model"], name), "rb").read())
     engine = rollout.make_rollout(config(name="vllm"), str(tmp_path), max_prompt_length=32, max_response_length=8,
@@ -218,6 +223,24 @@ def test_vllm_gets_a_mixture_of_experts_weights_as_transformers_saves_them(toy, 
     monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
     engine.load_weights(iter(model.state_dict().items()))
     saved = load_file(tmp_path / "model.safetensors")
-    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in saved and got.keys() == saved.keys()
+    assert f"model.layers.0.{split}.weight" in saved and got.keys() == saved.keys()
     for name, tensor in saved.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_vllm_gets_qwen2_5_vl_weights_under_their_saved_names(toy, monkeypatch):
+    """transformers 5 holds Qwen2.5-VL as model.language_model.* and model.visual.*, and saves the checkpoint layout
+    (model.layers.*, visual.*) that the hub's models have and vLLM reads: the sync streams that layout."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    fake_vllm(monkeypatch)
+    model = AutoModelForImageTextToText.from_pretrained(toy["vl_model"])
+    engine = rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=32, max_response_length=8,
+                                  device="cuda")
+    got = {}
+    monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
+    engine.load_weights(iter(model.state_dict().items()))
+    saved = load_file(os.path.join(toy["vl_model"], "model.safetensors"))
+    assert "visual.blocks.0.attn.qkv.weight" in saved and got.keys() == saved.keys()
+    assert all(torch.equal(got[name], tensor) for name, tensor in saved.items())

@@ -103,6 +103,17 @@ def test_throughput_is_per_gpu_over_all_nodes():
     assert trainer._stats("x", [0, 1, 2]) == {"x/mean": 1.0, "x/max": 2, "x/min": 0}
 
 
+def test_a_rollout_that_sampled_another_distribution_is_warned_of(capsys):
+    """rollout/logp_diff_mean above 0.5 nats (a healthy bf16 run: ~0.01) means the engine sampled another model or
+    prompt than the actor trains on: said at that step, not left in a metric; 0.4 is not."""
+    cfg, responses = load_config(None), [{"prompt_index": 0, "response_ids": [5, 6], "finish_reason": "stop"}]
+    for gap, warned in ((0.4, False), (0.6, True)):
+        samples = [{"prompt_ids": [7] * 3, "response_ids": [5, 6], "rollout_logprobs": torch.tensor([-1.0, -2.0]),
+                    "old_logprobs": torch.tensor([-1.0 - gap, -2.0 + gap])}]
+        trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 1.0})
+        assert ("differ from the rollout engine's by 0.60 on average" in capsys.readouterr().out) == warned
+
+
 def test_an_adaptive_kl_type_builds_the_adaptive_controller(tmp_path, fake_stages):
     """Run.__init__ builds AdaptiveKLController(kl_coef 0.05, target 0.2, horizon 5000) for kl_type adaptive."""
     run = make_run(tmp_path, "algorithm.kl_type=adaptive", "algorithm.use_kl_loss=false", "algorithm.kl_coef=0.05",
