@@ -211,12 +211,12 @@ def vision_tower(hf):
     body = getattr(hf, hf.base_model_prefix)
     if "mm_encoder_outputs" not in inspect.signature(body.forward).parameters:
         raise RuntimeError(f"transformers {transformers.__version__}: {type(body).__name__}.forward takes no "
-                           "mm_encoder_outputs (actor.py runs the vision tower itself, the same on every rank); "
+                           "mm_encoder_outputs (packed_forward runs the vision tower itself, the same on every rank); "
                            "install transformers>=5.18 (tested with 5.22.2 and 5.24.0)")
     tower = getattr(body, "visual", None)
     if tower is None:
-        raise ValueError(f"{type(hf).__name__} has no vision tower at .{hf.base_model_prefix}.visual; actor.py knows "
-                         "the Qwen2-VL, Qwen2.5-VL and Qwen3-VL layouts")
+        raise ValueError(f"{type(hf).__name__} has no vision tower at .{hf.base_model_prefix}.visual; modeling.py "
+                         "knows the Qwen2-VL, Qwen2.5-VL and Qwen3-VL layouts")
     return tower
 
 
@@ -471,7 +471,7 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     sliding window is refused once a sequence is longer than it."""
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("packed_attention: expects one packed row and no attention mask (it is the padding-free "
-                         "path of actor.py); use attn_implementation='sdpa' for padded batches")
+                         "path of the actor's packed pass); use attn_implementation='sdpa' for padded batches")
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None:
         cu, max_len = kwargs.get("packed_cu_seqlens"), kwargs.get("packed_max_seqlen")

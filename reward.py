@@ -79,9 +79,9 @@ class RewardFunction:
     """A reward function with its kwargs bound; calling it scores a list of inputs and checks the results.
 
     call_timeout bounds every call: one per sample (sequential) or per batch. With a limit the function runs in a
-    reward process forked here (before Ray or any thread starts; the function is not pickled) that serves calls
-    over a pipe, killed at a timeout. Not a thread: Python cannot stop one, and one stuck in C code holding the
-    GIL (a backtracking regex) would block the timer too."""
+    reward process forked here (first before Ray or any thread starts, again after a timeout or a crash; the
+    function is not pickled) that serves calls over a pipe, killed at a timeout. Not a thread: Python cannot stop
+    one, and one stuck in C code holding the GIL (a backtracking regex) would block the timer too."""
 
     _worker = None  # (process, pipe) while a reward process runs
 

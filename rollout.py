@@ -1,7 +1,7 @@
 """rollout.py: n sampled responses per prompt, from one of two engines behind one interface.
 
     engine = make_rollout(cfg.worker.rollout, model_path, ...)  # cfg.name picks ENGINES["hf" | "vllm"]
-    engine.load_weights(actor.named_tensors())                 # after every update (HF names, one at a time)
+    engine.load_weights(actor.named_tensors())                 # before each step's generation and validation
     engine.wake_up()
     responses = engine.generate(prompts, **sampling_settings(cfg), max_tokens=..., seed=seed)  # seed: per round, rank
     engine.sleep()                                             # give the memory back to the actor

@@ -104,10 +104,10 @@ def _built(stamp, seed):
 
 def build_tokenizer(pad_to=None):
     """A real fast tokenizer built the way Qwen's is (byte-level BPE, Qwen2's split regex, NFC), trained on the
-    toy tasks' text so every task word is one token. Its alphabet is printable ASCII, space and newline (167
-    tokens in all; other characters are dropped): a small vocabulary gives a random-init model a fair chance of
-    naming a colour at all. `pad_to`: fill the vocabulary up to this size with placeholders "<t167>", ... that
-    text never encodes to, so ids sampled from a full-size random model decode."""
+    toy tasks' text so that the answer words (the four colours, the digits) are one token each. Its alphabet is
+    printable ASCII, space and newline (167 tokens in all; other characters are dropped): a small vocabulary gives a
+    random-init model a fair chance of naming a colour at all. `pad_to`: fill the vocabulary up to this size with
+    placeholders "<t167>", ... that text never encodes to, so ids sampled from a full-size random model decode."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,11 +1,11 @@
-"""Packed vs per-sequence log-probs of actor.py on a GPU, in bf16 and fp32, and the time of the pass.
+"""Packed vs per-sequence log-probs of the actor's packed pass (modeling.py) on a GPU, in bf16 and fp32, and its time.
 
     python benchmarks/packed_logprobs.py [--out results.json]
 
 Builds a random-init Qwen2.5-VL (8 layers, hidden 1024, vision depth 4; weights scaled up so the
 log-probs are not flat) under /tmp, samples 8 prompts (two of every three with an image) with 256-token
 responses drawn from the model itself, then compares Actor.compute_log_probs (packed, one row per
-micro-batch, the attention backend actor.py picks: flash-attn varlen, else torch varlen_attn) with a
+micro-batch, the attention backend modeling.py picks: flash-attn varlen, else torch varlen_attn) with a
 plain transformers sdpa forward of each sequence alone. Reports max and mean |delta logp| and the median
 of 5 timed log-prob passes after a warm-up.
 """
