@@ -166,8 +166,9 @@ def check_packable(config, longest, where):
         raise ValueError(f"{where}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is not implemented "
                          "by the packed attention; override_config '{attn_logit_softcapping: null}' drops it from the "
                          "model (in the rollout too)")
-    window, kinds = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)  # no layer_types:
-    if window and "sliding_attention" in (kinds or ["sliding_attention"]) and longest > window:  # all slide (Mistral)
+    window, kinds = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    slides = "sliding_attention" in kinds if kinds else getattr(text, "use_sliding_window", True)  # else every layer
+    if window and slides and longest > window:  # (Mistral), unless switched off (Qwen3-VL's config keeps the window)
         drop = "{sliding_window: null" + (", layer_types: [full_attention, ...]}' (one per layer)" if kinds else "}'")
         raise ValueError(f"{where}: its sliding window ({window} tokens) is shorter than data.max_prompt_length + "
                          f"max_response_length ({longest}), and the packed attention applies no window: lower the "

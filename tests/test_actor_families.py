@@ -102,6 +102,8 @@ def test_a_sliding_window_shorter_than_the_longest_sample_is_refused_at_start(tm
         assert ("layer_types: [full_attention, ...]" in str(e.value)) == (name == "moe")  # Mistral has none
     tiny_text_family("mistral", str(tmp_path / "fits"), sliding_window=72)
     make_actor(str(tmp_path / "fits"))
+    from transformers import Qwen3VLConfig  # no layer_types, a window in config.json, use_sliding_window off: none
+    modeling.check_packable(Qwen3VLConfig(text_config={"sliding_window": 8, "use_sliding_window": False}), 72, "x")
     for name, drop in (("moe", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),  # the advice works
                        ("mistral", {"sliding_window": None})):  # (use_sliding_window: false came too late: refused)
         make_actor(str(tmp_path / name), **{"model.override_config": drop})
