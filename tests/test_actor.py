@@ -422,7 +422,7 @@ def test_compiled_layers_equal_eager(family, request, monkeypatch):
     expected = eager.compute_log_probs(samples)
     packed_backward(eager, samples, weights)
     build = modeling.build_model
-    monkeypatch.setattr(actor, "build_model", lambda *args: build(*args[:-1], compile_layers=True))
+    monkeypatch.setattr(actor, "build_model", lambda *args: build(*args[:6], True, *args[7:]))  # compile_layers
     compiled = make_actor(path, **{"model.enable_gradient_checkpointing": True})
     assert sum(getattr(m, "_compiled_call_impl", None) is not None for m in compiled.hf.modules()) == \
         len(compiled.hf.model.language_model.layers) + len(compiled.hf.model.visual.blocks)
