@@ -174,7 +174,7 @@ def check_packable(config, longest, where):
                          f"max_response_length ({longest}), and the packed attention applies no window: lower the "
                          f"lengths, or drop the window in the rollout too with worker.actor.model.override_config="
                          f"'{drop}")  # (use_sliding_window, read when the config is built, would change nothing)
-    mixers = {t for t in getattr(text, "layer_types", None) or [] if t not in ("full_attention", "sliding_attention")}
+    mixers = {t for t in kinds or [] if t not in ("full_attention", "sliding_attention")}
     if mixers := sorted(mixers | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
         raise ValueError(f"{where}: its {', '.join(mixers)} layers carry a state along the sequence, but the packed "
                          "pass, several sequences to a row, gives their boundaries to attention only: each would see "
