@@ -176,12 +176,40 @@ def test_the_trainer_refuses_what_the_packed_pass_cannot_compute_before_any_work
 
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("workers started before the refusal"))
     tiny_text_family("lfm2", str(tmp_path / "lfm2"), layer_types=["conv", "full_attention"])
-    tiny_text_family("mistral", str(tmp_path / "mistral"), sliding_window=16)
+    tiny_text_family("mistral", str(tmp_path / "mistral"), sliding_window=100)
     capsys.readouterr()  # the saves' progress bars
-    for name, message in (("lfm2", "its conv layers carry a state"), ("mistral", "its sliding window (16 tokens)")):
-        code = trainer.main([f"worker.actor.model.model_path={tmp_path / name}", "worker.rollout.name=hf",
+    lengths = ["data.max_prompt_length=64", "data.max_response_length=64"]  # the window holds the prompt, not both
+    for name, message in (("lfm2", "its conv layers carry a state"), ("mistral", "its sliding window (100 tokens)")):
+        code = trainer.main([f"worker.actor.model.model_path={tmp_path / name}", "worker.rollout.name=hf", *lengths,
                              f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
         assert code == 2 and capsys.readouterr().err.startswith(f"config error: {tmp_path / name}: {message}")
+    class Reached(Exception):
+        pass
+
+    def load_processor(*args, **kwargs):  # the step after the checks
+        raise Reached
+
+    monkeypatch.setattr(trainer.data, "load_processor", load_processor)
+    with pytest.raises(Reached):  # the refusal's own advice passes: override_config is applied before the check
+        trainer.main([f"worker.actor.model.model_path={tmp_path / 'mistral'}", "worker.rollout.name=hf", *lengths,
+                      "worker.actor.model.override_config={sliding_window: null}",
+                      f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+
+
+def test_layer_types_decide_which_layers_slide_in_the_text_config():
+    """Where a config lists layer_types, they say which layers slide (Qwen2-MoE with max_window_layers 0: none;
+    Ministral: every one), and a VL model's window is its text config's."""
+    from transformers import AutoConfig, Qwen2VLConfig
+
+    none = AutoConfig.for_model("qwen2_moe", num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                                max_window_layers=0)
+    assert none.layer_types == ["full_attention"] * 2
+    modeling.check_packable(none, 72, "x")
+    for config in (AutoConfig.for_model("ministral", num_hidden_layers=2, sliding_window=8),
+                   Qwen2VLConfig(text_config={"num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 8,
+                                              "max_window_layers": 1})):
+        with pytest.raises(ValueError, match=r"sliding window \(8 tokens\)"):
+            modeling.check_packable(config, 72, "x")
 
 
 def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, toy, caplog):
@@ -198,4 +226,5 @@ def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, t
     with caplog.at_level("INFO", logger="modeling"):
         make_actor(str(tmp_path / "moe"), **{"model.lora.rank": 4})
     assert "LoRA rank 4 on k_proj, o_proj, q_proj, v_proj; every other weight frozen" in caplog.text
-    assert "leaves the experts (model.language_model.layers.0.mlp.experts, ...) frozen" in caplog.text
+    assert [r for r in caplog.records if r.levelname == "WARNING" and "leaves the experts (model.language_model."
+            "layers.0.mlp.experts, ...) frozen" in r.getMessage()]

@@ -244,3 +244,24 @@ def test_vllm_gets_qwen2_5_vl_weights_under_their_saved_names(toy, monkeypatch):
     saved = load_file(os.path.join(toy["vl_model"], "model.safetensors"))
     assert "visual.blocks.0.attn.qkv.weight" in saved and got.keys() == saved.keys()
     assert all(torch.equal(got[name], tensor) for name, tensor in saved.items())
+
+
+def test_a_tensor_that_the_save_changes_under_its_own_name_goes_changed(toy, tmp_path, monkeypatch):
+    """Only a save that keeps the tensor itself is taken for a rename; one that changes it under the same name (a
+    transpose or a rope permutation, in some families' conversions) goes through the conversion at every sync.
+    Stand-in: a save that transposes lm_head.weight."""
+    from test_actor_families import tiny_text_family
+
+    fake_vllm(monkeypatch)
+    model = tiny_text_family("qwen3", str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        open(tmp_path / name, "wb").write(open(os.path.join(toy["text_model"], name), "rb").read())
+    save = rollout.revert_weight_conversion
+    monkeypatch.setattr(rollout, "revert_weight_conversion", lambda m, tensors: {
+        k: v.t() if k == "lm_head.weight" else v for k, v in save(m, tensors).items()})
+    engine = rollout.make_rollout(config(name="vllm"), str(tmp_path), max_prompt_length=32, max_response_length=8,
+                                  device="cuda")
+    got = {}
+    monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
+    engine.load_weights(iter(model.state_dict().items()))
+    assert torch.equal(got["lm_head.weight"], model.lm_head.weight.t())
