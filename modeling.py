@@ -92,13 +92,13 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on the LM head "
                              f"or the embeddings, which this model ties (tie_word_embeddings): the actor would adapt "
                              f"one, the rollout's copy of the shared weight both. Leave lm_head and embed_tokens out")
-        if odd := [n for n, m in module.named_modules()
-                   if hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)]:
+        adapters = {n: m for n, m in module.named_modules() if hasattr(m, "base_layer")}  # each LoRA-wrapped layer
+        if odd := [n for n, m in adapters.items() if not isinstance(m.base_layer, torch.nn.Linear)]:
             raise ValueError(f"worker.actor.model.lora.target_modules={lora.target_modules!r} puts LoRA on {odd[0]}, "
                              f"not a Linear layer: the weight sync and merge.py merge Linear adapters only (a mixture "
                              f"of experts' experts: list the modules, e.g. q_proj,k_proj,v_proj,o_proj)")
-        adapted = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules() if hasattr(m, "base_layer")})
-        logger.info("actor: LoRA rank %d on %s; every other weight frozen", lora.rank, ", ".join(adapted))
+        adapted = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in adapters}))
+        logger.info("actor: LoRA rank %d on %s; every other weight frozen", lora.rank, adapted)
         if fused := [n for n, m in hf.named_modules() if n.endswith("experts") and [*m.parameters(recurse=False)]]:
             logger.warning("worker.actor.model.lora.target_modules=%r leaves the experts (%s, ...) frozen: a "
                            "mixture's fused experts are not Linear layers, which peft adapts", lora.target_modules,

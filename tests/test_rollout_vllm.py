@@ -211,17 +211,9 @@ def test_vllm_gets_a_mixture_of_experts_weights_as_transformers_saves_them(famil
     in-memory names, which vLLM's loader for checkpoints does not know; then Mixtral's router still went under its
     in-memory name mlp.gate, where vLLM's Mixtral has block_sparse_moe.gate)."""
     from safetensors.torch import load_file
-    from test_actor_families import tiny_text_family
 
-    fake_vllm(monkeypatch)
-    model = tiny_text_family(family, str(tmp_path), **changes)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        open(tmp_path / name, "wb").write(open(os.path.join(toy["text_model"], name), "rb").read())
-    engine = rollout.make_rollout(config(name="vllm"), str(tmp_path), max_prompt_length=32, max_response_length=8,
-                                  device="cuda")
-    got = {}
-    monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
-    engine.load_weights(iter(model.state_dict().items()))
+    model = _tiny_text_folder(family, tmp_path, toy, **changes)
+    got = _streamed(model, tmp_path, monkeypatch)
     saved = load_file(tmp_path / "model.safetensors")
     assert f"model.layers.0.{split}.weight" in saved and got.keys() == saved.keys()
     for name, tensor in saved.items():
@@ -234,13 +226,7 @@ def test_vllm_gets_qwen2_5_vl_weights_under_their_saved_names(toy, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    fake_vllm(monkeypatch)
-    model = AutoModelForImageTextToText.from_pretrained(toy["vl_model"])
-    engine = rollout.make_rollout(config(name="vllm"), toy["vl_model"], max_prompt_length=32, max_response_length=8,
-                                  device="cuda")
-    got = {}
-    monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
-    engine.load_weights(iter(model.state_dict().items()))
+    got = _streamed(AutoModelForImageTextToText.from_pretrained(toy["vl_model"]), toy["vl_model"], monkeypatch)
     saved = load_file(os.path.join(toy["vl_model"], "model.safetensors"))
     assert "visual.blocks.0.attn.qkv.weight" in saved and got.keys() == saved.keys()
     assert all(torch.equal(got[name], tensor) for name, tensor in saved.items())
@@ -250,18 +236,29 @@ def test_a_tensor_that_the_save_changes_under_its_own_name_goes_changed(toy, tmp
     """Only a save that keeps the tensor itself is taken for a rename; one that changes it under the same name (a
     transpose or a rope permutation, in some families' conversions) goes through the conversion at every sync.
     Stand-in: a save that transposes lm_head.weight."""
-    from test_actor_families import tiny_text_family
-
-    fake_vllm(monkeypatch)
-    model = tiny_text_family("qwen3", str(tmp_path))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        open(tmp_path / name, "wb").write(open(os.path.join(toy["text_model"], name), "rb").read())
+    model = _tiny_text_folder("qwen3", tmp_path, toy)
     save = rollout.revert_weight_conversion
     monkeypatch.setattr(rollout, "revert_weight_conversion", lambda m, tensors: {
         k: v.t() if k == "lm_head.weight" else v for k, v in save(m, tensors).items()})
-    engine = rollout.make_rollout(config(name="vllm"), str(tmp_path), max_prompt_length=32, max_response_length=8,
+    assert torch.equal(_streamed(model, tmp_path, monkeypatch)["lm_head.weight"], model.lm_head.weight.t())
+
+
+def _tiny_text_folder(family, path, toy, **changes):
+    """A tiny random text model of `family` saved in `path` with the toy's tokenizer; -> the model."""
+    from test_actor_families import tiny_text_family
+
+    model = tiny_text_family(family, str(path), **changes)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        open(os.path.join(path, name), "wb").write(open(os.path.join(toy["text_model"], name), "rb").read())
+    return model
+
+
+def _streamed(model, folder, monkeypatch):
+    """{name: tensor} that the stand-in vLLM engine on `folder` receives from one weight sync of `model`'s state."""
+    fake_vllm(monkeypatch)
+    engine = rollout.make_rollout(config(name="vllm"), str(folder), max_prompt_length=32, max_response_length=8,
                                   device="cuda")
     got = {}
     monkeypatch.setattr(rollout._vllm_internals(engine.llm)["model"], "load_weights", got.update)
     engine.load_weights(iter(model.state_dict().items()))
-    assert torch.equal(got["lm_head.weight"], model.lm_head.weight.t())
+    return got
