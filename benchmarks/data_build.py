@@ -1,0 +1,110 @@
+"""The host's share of a step: data.py's start-up checks and batch building at Geometry3K's scale, and the size
+and pickling time of a batch as the trainer hands it to the workers (Ray pickles each call's samples).
+
+    python benchmarks/data_build.py [--rows 2048] [--batch 512] [--workers 16] [--out results.json]
+
+Writes a synthetic parquet in Geometry3K's schema under /tmp/bench_data (one PNG line drawing of 200-600 px a row,
+as its diagrams), and a processor folder from the toy's (`python toy.py` first) with Qwen2.5-VL's own pixel
+limits, so that, as with the real model, the processor keeps the size data.py resizes to (configs/geo3k.yaml:
+min_pixels 262,144). Reports the start-up check's rows/s with --workers processes, the median of 3 batch builds
+(no prefetch: the first training batch and every validation batch are built so), and one batch's samples, each
+prompt's 5 responses sharing its tensors as trainer.py's do: pickled bytes and seconds.
+"""
+
+import argparse
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import data  # noqa: E402
+from config import load_config  # noqa: E402
+
+FOLDER = "/tmp/bench_data"
+
+
+def write_rows(n):
+    import pandas
+    from PIL import Image, ImageDraw
+
+    rng, rows = random.Random(0), []
+    for _ in range(n):
+        image = Image.new("RGB", (rng.randint(200, 600), rng.randint(200, 500)), "white")
+        draw = ImageDraw.Draw(image)
+        for _ in range(20):
+            draw.line([rng.randint(0, 199) for _ in range(4)], fill="black", width=2)
+        png = io.BytesIO()
+        image.save(png, "PNG")
+        rows.append({"images": [{"bytes": png.getvalue(), "path": None}], "answer": str(rng.randint(1, 99)),
+                     "problem": "<image>Find x. " + "The triangle has sides a, b and c. " * rng.randint(1, 6)})
+    path = os.path.join(FOLDER, f"train_{n}.parquet")
+    pandas.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def processor_folder():
+    """The toy model's tokenizer and processor, with Qwen2.5-VL's own max_pixels (12,845,056) for images."""
+    toy, out = os.path.join(ROOT, ".toy", "vl_model"), os.path.join(FOLDER, "processor")
+    if not os.path.isdir(toy):
+        sys.exit(f"{toy} is missing: run `python toy.py` first")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(toy, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    path = os.path.join(out, "processor_config.json")
+    config = json.load(open(path))
+    config["image_processor"]["size"]["longest_edge"] = 12845056
+    json.dump(config, open(path, "w"), indent=2)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count()))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    os.makedirs(FOLDER, exist_ok=True)
+    files, model = write_rows(args.rows), processor_folder()
+    cfg = load_config(os.path.join(ROOT, "configs", "geo3k.yaml"),
+                      [f"data.train_files={files}", "data.format_prompt=null",
+                       f"data.filter_overlong_prompts_workers={args.workers}"])
+    from transformers import AutoConfig
+
+    processor, _ = data.load_processor(model, cfg.data)
+    start = time.perf_counter()
+    loader = data.PromptLoader(files, cfg.data, processor, AutoConfig.from_pretrained(model),
+                               batch_size=args.batch, shuffle=True, drop_last=True)
+    checked = time.perf_counter() - start
+    builds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        batch = next(loader)
+        builds.append(time.perf_counter() - start)
+    samples = [{"uid": p["uid"], "prompt_ids": p["prompt_ids"], "position_ids": p["position_ids"],
+                "multi_modal_inputs": p["multi_modal_inputs"], "response_ids": list(range(256))}
+               for p in batch for _ in range(5)]  # as trainer._sample: one prompt's tensors shared by its responses
+    start = time.perf_counter()
+    size = len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))
+    pickled = time.perf_counter() - start
+    result = {"rows": args.rows, "workers": args.workers, "start_up_check_s": round(checked, 2),
+              "start_up_rows_per_s": round(args.rows / checked), "batch": args.batch,
+              "batch_build_s_median": round(statistics.median(builds), 2),
+              "prompts_per_s": round(args.batch / statistics.median(builds), 1),
+              "image_patches_mean": round(statistics.fmean(p["multi_modal_inputs"]["pixel_values"].shape[0]
+                                                           for p in batch)),
+              "samples_pickled_gb": round(size / 1e9, 3), "samples_pickle_s": round(pickled, 2),
+              "cpus": os.cpu_count()}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        json.dump(result, open(args.out, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
