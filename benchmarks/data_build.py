@@ -8,7 +8,8 @@ as its diagrams), and a processor folder from the toy's (`python toy.py` first) 
 limits, so that, as with the real model, the processor keeps the size data.py resizes to (configs/geo3k.yaml:
 min_pixels 262,144). Reports the start-up check's rows/s with --workers processes, the median of 3 batch builds
 (no prefetch: the first training batch and every validation batch are built so), and one batch's samples, each
-prompt's 5 responses sharing its tensors as trainer.py's do: pickled bytes and seconds.
+prompt's 5 responses sharing its tensors as trainer.py's do: pickled bytes and the seconds to pickle and
+unpickle them, with pixel values as the processor makes them (fp32) and in bf16.
 """
 
 import argparse
@@ -21,6 +22,8 @@ import shutil
 import statistics
 import sys
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -90,16 +93,25 @@ def main():
     samples = [{"uid": p["uid"], "prompt_ids": p["prompt_ids"], "position_ids": p["position_ids"],
                 "multi_modal_inputs": p["multi_modal_inputs"], "response_ids": list(range(256))}
                for p in batch for _ in range(5)]  # as trainer._sample: one prompt's tensors shared by its responses
-    start = time.perf_counter()
-    size = len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))
-    pickled = time.perf_counter() - start
+    transfer = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):  # as built; as bf16 compute reads them
+        cast = {id(p["multi_modal_inputs"]): {k: v.to(dtype) if v.is_floating_point() else v
+                                              for k, v in p["multi_modal_inputs"].items()} for p in batch}
+        these = [{**s, "multi_modal_inputs": cast[id(s["multi_modal_inputs"])]} for s in samples]
+        start = time.perf_counter()
+        blob = pickle.dumps(these, protocol=pickle.HIGHEST_PROTOCOL)
+        dumped = time.perf_counter() - start
+        pickle.loads(blob)
+        transfer[name] = {"gb": round(len(blob) / 1e9, 3), "dumps_s": round(dumped, 2),
+                          "loads_s": round(time.perf_counter() - start - dumped, 2)}
+        del blob, these, cast
     result = {"rows": args.rows, "workers": args.workers, "start_up_check_s": round(checked, 2),
               "start_up_rows_per_s": round(args.rows / checked), "batch": args.batch,
               "batch_build_s_median": round(statistics.median(builds), 2),
               "prompts_per_s": round(args.batch / statistics.median(builds), 1),
               "image_patches_mean": round(statistics.fmean(p["multi_modal_inputs"]["pixel_values"].shape[0]
                                                            for p in batch)),
-              "samples_pickled_gb": round(size / 1e9, 3), "samples_pickle_s": round(pickled, 2),
+              "samples_pickled": transfer,
               "cpus": os.cpu_count()}
     print(json.dumps(result, indent=2))
     if args.out:
