@@ -22,7 +22,8 @@ The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built l
                                     video_backend (for Qwen3-VL's timestamps, Qwen2.5-VL's seconds per patch)
     multi_modal_inputs  dict        the processor's tensors for exactly these images and videos: pixel_values
                                     [patches, dim], image_grid_thw [n_images, 3], pixel_values_videos
-                                    [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text
+                                    [patches, dim], video_grid_thw [n_videos, 3] (those present); {} for text;
+                                    pixel values fp32, or the loader's pixel_dtype
     position_ids        LongTensor  [4, P] for Qwen2/2.5/3-VL (row 0 = 0..P-1, rows 1-3 = the model's own
                                     get_rope_index, re-based by trained_positions), [1, P] for text models
     ground_truth        str         the answer column as written (CSV: the cell's text; parquet or json numbers: a
@@ -103,10 +104,11 @@ class PromptLoader(collections.abc.Iterator):
     trains (with the loader's own copy of the processor: no tokenizer shared). Epoch e visits the kept rows in the
     order torch.randperm(n, generator seeded seed * 1_000_003 + e) (file order without shuffle), cut into batches of
     `batch_size` (-1: all rows); drop_last drops the short tail. state_dict() saves the position (current_epoch,
-    batch): a resumed loader yields the batches an uninterrupted one would."""
+    batch): a resumed loader yields the batches an uninterrupted one would. `pixel_dtype`: the dtype of the prompts'
+    multi_modal_inputs float tensors (None: the processor's fp32), cast as each prompt is built."""
 
     def __init__(self, files, cfg, processor, model, *, batch_size, shuffle, drop_last, trust_remote_code=False,
-                 prefetch=False):
+                 prefetch=False, pixel_dtype=None):
         processor = copy.deepcopy(processor) if prefetch else processor
         self.builder = PromptBuilder(cfg, processor, model, trust_remote_code)
         self.rows = load_rows(files, cfg)
@@ -120,6 +122,7 @@ class PromptLoader(collections.abc.Iterator):
         if self.batches_per_epoch == 0:
             raise DataError(f"{files}: {len(self.indices)} rows, fewer than one batch of {batch_size}")
         self.prefetch, self.pending, self.lock = prefetch, None, threading.Lock()  # pending: ((epoch, batch), future)
+        self.pixel_dtype = pixel_dtype
 
     def __next__(self):
         position, (built, future) = (self.current_epoch, self.batch), self.pending or (None, None)
@@ -164,7 +167,11 @@ class PromptLoader(collections.abc.Iterator):
             for i in order[b * self.batch_size:(b + 1) * self.batch_size]:
                 if _EXITING.is_set():
                     raise RuntimeError("the interpreter is exiting")
-                batch.append({**self.builder.build(self.rows[i], i, self.rows.where(i)), "uid": f"{epoch}-{i}"})
+                prompt = self.builder.build(self.rows[i], i, self.rows.where(i))
+                if self.pixel_dtype is not None:
+                    prompt["multi_modal_inputs"] = {k: v.to(self.pixel_dtype) if v.is_floating_point() else v
+                                                    for k, v in prompt["multi_modal_inputs"].items()}
+                batch.append({**prompt, "uid": f"{epoch}-{i}"})
         return batch
 
 

@@ -112,6 +112,7 @@ class WorkerGroup:
         self.device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world = t.nnodes * t.n_gpus_per_node
         self.mini_batch = cfg.worker.actor.global_batch_size * cfg.worker.rollout.n  # divisible: check_config
+        self.vllm = cfg.worker.rollout.name == "vllm"  # it reads the images, not the processor's pixel values
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": _worker_env()})
             if "RAY_ADDRESS" in os.environ or os.path.exists("/tmp/ray/ray_current_cluster"):  # `ray start --head`
@@ -153,6 +154,8 @@ class WorkerGroup:
     def generate(self, prompts, sampling):
         """Split prompts over all ranks, each its own share. The ranks of a tensor-parallel group hand their
         shares to one vLLM engine (rollout.py gathers them), which generates each prompt n times, once."""
+        if self.vllm:  # the pixel values stay on the driver (6.3 MB of fp32 for a 512 x 512 image)
+            prompts = [{k: v for k, v in p.items() if k != "multi_modal_inputs"} for p in prompts]
         outs = self._get([w.generate.remote(prompts[i::self.world], sampling) for i, w in enumerate(self.workers)],
                          "generation")
         responses = [{**r, "prompt_index": r["prompt_index"] * self.world + rank}

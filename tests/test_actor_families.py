@@ -2,6 +2,7 @@
 built by data.py (images, a video, text) for a tiny random Qwen2-VL, and for text families whose own forward changes
 the logits (Granite, Cohere, Gemma2). Qwen2.5-VL (the toy's family), Qwen3-VL and Qwen2 are in tests/test_actor.py."""
 
+import io
 import os
 
 import pytest
@@ -228,3 +229,30 @@ def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, t
     assert "LoRA rank 4 on k_proj, o_proj, q_proj, v_proj; every other weight frozen" in caplog.text
     assert [r for r in caplog.records if r.levelname == "WARNING" and "leaves the experts (model.language_model."
             "layers.0.mlp.experts, ...) frozen" in r.getMessage()]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_bf16_compute_gives_the_same_log_probs_from_bf16_pixel_values(family, tmp_path, toy):
+    """trainer.py sends pixel values as bf16 when every pass computes in bf16 (half the bytes through Ray): the
+    vision tower casts them to its weights' dtype first (autocast: bf16), so the log-probs must not move at all;
+    in fp32 compute they do (the check can fail)."""
+    import numpy
+    from PIL import Image
+
+    path = toy["vl_model"] if family == "qwen2_5_vl" else str(tmp_path / family)
+    if family != "qwen2_5_vl":
+        tiny_family(family, path, toy)
+    noise = io.BytesIO()
+    Image.fromarray(numpy.random.default_rng(0).integers(0, 256, (90, 120, 3), dtype=numpy.uint8)).save(noise, "PNG")
+    row = {"problem": "<image>Which colour, <video>?", "answer": "red", "images": [noise.getvalue()],
+           "videos": [clip(4, size=(64, 64), fps=2)]}
+    prompt = builder(path, config(min_pixels=4096, max_pixels=16384, max_prompt_length=1024)).build(row, 0, "r0")
+    sample = {**{k: prompt[k] for k in ("prompt_ids", "position_ids", "multi_modal_inputs")}, "response_ids": [11] * 5}
+    as_bf16 = {**sample, "multi_modal_inputs": {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                                                for k, v in sample["multi_modal_inputs"].items()}}
+    assert {k for k, v in sample["multi_modal_inputs"].items() if v.is_floating_point()} == \
+        {"pixel_values", "pixel_values_videos"}
+    for compute, moves in (("bf16", False), ("fp32", True)):
+        a = make_actor(path, **{"fsdp.mp_param_dtype": compute})  # fp32 weights: bf16 compute under autocast
+        (fp32_pixels,), (bf16_pixels,) = a.compute_log_probs([sample]), a.compute_log_probs([as_bf16])
+        assert (not torch.equal(fp32_pixels, bf16_pixels)) == moves, (compute, fp32_pixels - bf16_pixels)

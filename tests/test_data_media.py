@@ -414,3 +414,20 @@ def test_big_endian_16_bit_and_a_features_bytes_beside_its_path(toy, tmp_path):
     prompt = builder(toy["vl_model"], config(image_dir=str(tmp_path))).build(
         {"problem": "<video>Q?", "answer": "a", "videos": ["c.mp4"]}, 0, "r0")
     assert prompt["videos"][0].shape == (4, 56, 56, 3)  # 8 frames at 4 fps sampled at 2 fps
+
+
+def test_a_loader_with_a_pixel_dtype_casts_the_pixel_values_only(tmp_path, toy):
+    """trainer.py asks for bf16 pixel values where every pass computes in bf16: the processor's fp32 ones rounded,
+    the grids (integers) as they were; a video's pixel values too."""
+    rows = [{"problem": "<image>Which colour, <video>?", "answer": "red", "images": [png(90, 60, (13, 170, 91))],
+             "videos": [clip(4, size=(64, 64), fps=2)]}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "m.parquet")
+    (fp32,), (bf16,) = (next(loader(toy["vl_model"], str(tmp_path / "m.parquet"), batch_size=1, pixel_dtype=dtype))
+                        for dtype in (None, torch.bfloat16))
+    fp32, bf16 = fp32["multi_modal_inputs"], bf16["multi_modal_inputs"]
+    assert set(fp32) == set(bf16) == {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
+    for key in ("pixel_values", "pixel_values_videos"):
+        assert fp32[key].dtype == torch.float32 and bf16[key].dtype == torch.bfloat16
+        assert torch.equal(bf16[key], fp32[key].to(torch.bfloat16)) and not torch.equal(bf16[key].float(), fp32[key])
+    for key in ("image_grid_thw", "video_grid_thw"):
+        assert torch.equal(bf16[key], fp32[key]) and bf16[key].dtype == fp32[key].dtype

@@ -21,8 +21,8 @@ from config import ActorConfig, ConfigError, OptimConfig, load_config
 
 class FakeLoader:
     def __init__(self, files, cfg, processor, model, *, batch_size, shuffle, drop_last, trust_remote_code=False,
-                 prefetch=False):
-        self.rows, self.model = 2048 if "train" in files else 601, model
+                 prefetch=False, pixel_dtype=None):
+        self.rows, self.model, self.pixel_dtype = 2048 if "train" in files else 601, model, pixel_dtype
         self.batch_size, self.drop_last, self.trust_remote_code = batch_size, drop_last, trust_remote_code
         self.batches_per_epoch = self.rows // batch_size
         self.videos_per_prompt = self.images_per_prompt = 0
@@ -71,6 +71,16 @@ def test_training_steps_count_rollout_batches_not_generation_rounds(tmp_path, fa
                     "trainer.total_epochs=1").training_steps == 5 * 384 // 1024  # = 1
     with pytest.raises(ConfigError, match="make no step of data.rollout_batch_size=4096"):
         make_run(tmp_path, "data.mini_rollout_batch_size=512", "data.rollout_batch_size=4096")
+
+
+@pytest.mark.parametrize("overrides, dtype", [
+    ([], torch.bfloat16), (["worker.actor.fsdp.mp_param_dtype=fp32"], None),
+    (["worker.ref.fsdp.mp_param_dtype=fp32"], None), (["worker.rollout.name=hf", "worker.rollout.dtype=fp32"], None),
+    (["worker.rollout.name=hf"], torch.bfloat16),
+    (["worker.rollout.dtype=fp32"], torch.bfloat16)])  # vLLM reads the images, not the processor's pixel values
+def test_pixel_values_go_as_bf16_only_where_every_pass_computes_in_bf16(tmp_path, fake_stages, overrides, dtype):
+    run = make_run(tmp_path, *overrides)
+    assert run.train_loader.pixel_dtype == run.val_loader.pixel_dtype == dtype
 
 
 def test_trust_remote_code_reaches_processor_loaders_and_rollout(tmp_path, fake_stages, monkeypatch):

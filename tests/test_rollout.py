@@ -485,7 +485,7 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
                 remote=lambda prompts, sampling: pool.submit(engines[rank].generate, prompts, n=n, seed=0))
 
     group = workers.WorkerGroup.__new__(workers.WorkerGroup)
-    group.world, group.tp, group.workers = world, tp, [FakeWorker(r) for r in range(world)]
+    group.world, group.tp, group.workers, group.vllm = world, tp, [FakeWorker(r) for r in range(world)], True
     group._get = lambda refs, what: [f.result(timeout=30) for f in refs]
     prompts = [{"uid": f"u{i}", "raw_prompt_ids": [100 + i, 7]} for i in range(8)]
     responses = group.generate(prompts, {})
