@@ -154,7 +154,7 @@ class WorkerGroup:
     def generate(self, prompts, sampling):
         """Split prompts over all ranks, each its own share. The ranks of a tensor-parallel group hand their
         shares to one vLLM engine (rollout.py gathers them), which generates each prompt n times, once."""
-        if self.vllm:  # the pixel values stay on the driver (6.3 MB of fp32 for a 512 x 512 image)
+        if self.vllm:  # the pixel values stay on the driver (6.1 MB of fp32 for a 512 x 512 image)
             prompts = [{k: v for k, v in p.items() if k != "multi_modal_inputs"} for p in prompts]
         outs = self._get([w.generate.remote(prompts[i::self.world], sampling) for i, w in enumerate(self.workers)],
                          "generation")

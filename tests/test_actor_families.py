@@ -252,7 +252,7 @@ def test_bf16_compute_gives_the_same_log_probs_from_bf16_pixel_values(family, tm
                                                 for k, v in sample["multi_modal_inputs"].items()}}
     assert {k for k, v in sample["multi_modal_inputs"].items() if v.is_floating_point()} == \
         {"pixel_values", "pixel_values_videos"}
-    for compute, moves in (("bf16", False), ("fp32", True)):
-        a = make_actor(path, **{"fsdp.mp_param_dtype": compute})  # fp32 weights: bf16 compute under autocast
+    for weights, compute, moves in (("fp32", "bf16", False), ("bf16", "bf16", False), ("fp32", "fp32", True)):
+        a = make_actor(path, **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": compute})  # fp32: autocast
         (fp32_pixels,), (bf16_pixels,) = a.compute_log_probs([sample]), a.compute_log_probs([as_bf16])
-        assert (not torch.equal(fp32_pixels, bf16_pixels)) == moves, (compute, fp32_pixels - bf16_pixels)
+        assert (not torch.equal(fp32_pixels, bf16_pixels)) == moves, (weights, compute, fp32_pixels - bf16_pixels)

@@ -77,7 +77,8 @@ def test_training_steps_count_rollout_batches_not_generation_rounds(tmp_path, fa
     ([], torch.bfloat16), (["worker.actor.fsdp.mp_param_dtype=fp32"], None),
     (["worker.ref.fsdp.mp_param_dtype=fp32"], None), (["worker.rollout.name=hf", "worker.rollout.dtype=fp32"], None),
     (["worker.rollout.name=hf"], torch.bfloat16),
-    (["worker.rollout.dtype=fp32"], torch.bfloat16)])  # vLLM reads the images, not the processor's pixel values
+    (["worker.rollout.dtype=fp32"], torch.bfloat16),  # vLLM reads the images, not the processor's pixel values
+    (["worker.actor.fsdp.torch_dtype=bf16"], torch.bfloat16), (["worker.actor.fsdp.torch_dtype=fp16"], None)])
 def test_pixel_values_go_as_bf16_only_where_every_pass_computes_in_bf16(tmp_path, fake_stages, overrides, dtype):
     run = make_run(tmp_path, *overrides)
     assert run.train_loader.pixel_dtype == run.val_loader.pixel_dtype == dtype

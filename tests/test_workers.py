@@ -38,7 +38,7 @@ def test_generate_deals_prompts_round_robin_and_joins_them_back_in_order():
 
 @pytest.mark.parametrize("vllm", [True, False])
 def test_only_the_transformers_engine_is_sent_the_processors_pixel_values(vllm):
-    """vLLM reads the images (and ids and videos); the pixel values, 6.3 MB of fp32 a 512 x 512 image, stay."""
+    """vLLM reads the images (and ids and videos); the pixel values, 6.1 MB of fp32 a 512 x 512 image, stay."""
     prompt = {"raw_prompt_ids": [1], "images": ["an image"], "multi_modal_inputs": {"pixel_values": torch.ones(2)}}
     sent = []
     fake_group(1, 1, vllm=vllm, generate=lambda rank, prompts, sampling: sent.extend(prompts) or []).generate(
