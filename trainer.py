@@ -380,7 +380,7 @@ def _sample(prompt, response):
 def _pixel_dtype(cfg):
     """bf16 when every pass that reads pixel values computes in bf16 (the policy, the reference and a transformers
     rollout; vLLM reads the images) from fp32 or bf16 weights: a vision tower casts them to its weights' dtype before
-    any arithmetic (autocast to bf16 too), so bf16 ones give the same log-probs at half the bytes that Ray pickles to
+    any arithmetic (autocast to bf16 too), so bf16 ones give the same log-probs at half the bytes that Ray sends to
     the workers at each pass (3.2 GB of fp32 for 512 prompts of a 512 x 512 image); else None (fp32). fp16 weights
     under autocast would round fp32 pixels twice (fp16, then bf16), bf16 ones once."""
     w = cfg.worker

@@ -9,7 +9,9 @@ limits, so that, as with the real model, the processor keeps the size data.py re
 min_pixels 262,144). Reports the start-up check's rows/s with --workers processes, the median of 3 batch builds
 (no prefetch: the first training batch and every validation batch are built so), and one batch's samples, each
 prompt's 5 responses sharing its tensors as trainer.py's do: pickled bytes and the seconds to pickle and
-unpickle them, with pixel values as the processor makes them (fp32) and in bf16.
+unpickle them, and the seconds a call of a Ray actor on this machine takes to receive them (median of 3), with torch's
+pickling and with workers.py's zero-copy serializer, each with pixel values as the processor makes them (fp32) and in
+bf16.
 """
 
 import argparse
@@ -66,6 +68,33 @@ def processor_folder():
     return out
 
 
+def ray_call_seconds(samples):
+    """{"torch_pickle": s, "zero_copy": s}: a Ray actor's call that receives `samples`, median of 3 after one."""
+    import ray
+
+    import workers
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    receiver, seconds = ray.remote(Receiver).remote(), {}
+    for name in ("torch_pickle", "zero_copy"):
+        if name == "zero_copy":
+            workers.send_tensors_as_bytes()
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            ray.get(receiver.take.remote(samples))
+            times.append(time.perf_counter() - start)
+        seconds[name] = round(statistics.median(times[1:]), 2)
+        ray.util.deregister_serializer(torch.Tensor)
+    return seconds
+
+
+class Receiver:
+    def take(self, samples):
+        return len(samples)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048)
@@ -104,7 +133,9 @@ def main():
         pickle.loads(blob)
         transfer[name] = {"gb": round(len(blob) / 1e9, 3), "dumps_s": round(dumped, 2),
                           "loads_s": round(time.perf_counter() - start - dumped, 2)}
-        del blob, these, cast
+        del blob
+        transfer[name]["ray_call_s"] = ray_call_seconds(these)
+        del these, cast
     result = {"rows": args.rows, "workers": args.workers, "start_up_check_s": round(checked, 2),
               "start_up_rows_per_s": round(args.rows / checked), "batch": args.batch,
               "batch_build_s_median": round(statistics.median(builds), 2),

@@ -200,3 +200,21 @@ def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_except
     with pytest.raises(RuntimeError, match="a worker failed during checkpoint load:") as caught:
         group._get(["ref"], "checkpoint load")
     assert caught.value.__cause__ is refusal
+
+
+
+def test_a_tensor_sent_to_a_worker_arrives_whole_and_writable():
+    """The driver's serializer for Ray (workers._tensor_to_bytes: the bytes as numpy, which Ray sends out of band)
+    and the worker's deserializer: dtype, shape and values back as sent, non-contiguous, 0-d and empty tensors too;
+    the received tensor owns its memory (Ray's buffer is read-only), so an in-place change leaves the buffer as is."""
+    sent = [torch.randn(4, 6).to(torch.bfloat16), torch.arange(12).view(3, 4).t(), torch.tensor(True),
+            torch.zeros(0, 3), torch.tensor([[1, 36, 36]])]
+    for tensor in sent:
+        dtype, shape, data = workers._tensor_to_bytes(tensor)
+        assert data.dtype.name == "uint8" and data.nbytes == tensor.numel() * tensor.element_size()
+        before = data.tobytes()
+        data.flags.writeable = False  # as Ray hands it over
+        got = workers._tensor_from_bytes((dtype, shape, data))
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
+        got.logical_not_() if got.dtype == torch.bool else got.add_(1)
+        assert data.tobytes() == before and (tensor.numel() == 0 or not torch.equal(got, tensor))
