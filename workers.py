@@ -137,11 +137,11 @@ class WorkerGroup:
     def _get(self, refs, what):
         """ray.get, but a dead or failing worker is one clear error, raised at once (others may hang in collectives)."""
         try:
-            pending = list(refs)
+            results, pending = {}, list(refs)
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)  # raises a failed worker's error
-            return ray.get(refs)
+                results[done[0]] = ray.get(done[0])  # raises a failed worker's error
+            return [results[ref] for ref in refs]
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a worker died during {what}: {e}") from None
         except ray.exceptions.RayTaskError as e:  # the worker's own exception stays the cause (Run._resume reads it)
@@ -243,7 +243,8 @@ def show_logs():
 
 def send_tensors_as_bytes():
     """Ray then sends a tensor in a call or a result as its bytes in a numpy array, copied once into its shared memory
-    (pickle 5, out of band), not through torch's own pickling: 2-5x faster (benchmarks/data_build.py)."""
+    (pickle 5, out of band), not through torch's own pickling: 2-7x faster (benchmarks/data_build.py), and a view
+    sends its own bytes, where torch's pickling sent its base's (each piece of a split: the whole tensor)."""
     ray.util.register_serializer(torch.Tensor, serializer=_tensor_to_bytes, deserializer=_tensor_from_bytes)
 
 

@@ -9,9 +9,9 @@ limits, so that, as with the real model, the processor keeps the size data.py re
 min_pixels 262,144). Reports the start-up check's rows/s with --workers processes, the median of 3 batch builds
 (no prefetch: the first training batch and every validation batch are built so), and one batch's samples, each
 prompt's 5 responses sharing its tensors as trainer.py's do: pickled bytes and the seconds to pickle and
-unpickle them, and the seconds a call of a Ray actor on this machine takes to receive them (median of 3), with torch's
-pickling and with workers.py's zero-copy serializer, each with pixel values as the processor makes them (fp32) and in
-bf16.
+unpickle them, and the seconds a call of a Ray actor on this machine takes to receive them (median of 3), through
+torch's pickling and as workers.py sends them (send_tensors_as_bytes: out of band), each with pixel values as the
+processor makes them (fp32) and in bf16.
 """
 
 import argparse
@@ -69,7 +69,7 @@ def processor_folder():
 
 
 def ray_call_seconds(samples):
-    """{"torch_pickle": s, "zero_copy": s}: a Ray actor's call that receives `samples`, median of 3 after one."""
+    """{"torch_pickle": s, "as_bytes": s}: a Ray actor's call that receives `samples`, median of 3 after one."""
     import ray
 
     import workers
@@ -77,8 +77,8 @@ def ray_call_seconds(samples):
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     receiver, seconds = ray.remote(Receiver).remote(), {}
-    for name in ("torch_pickle", "zero_copy"):
-        if name == "zero_copy":
+    for name in ("torch_pickle", "as_bytes"):
+        if name == "as_bytes":
             workers.send_tensors_as_bytes()
         times = []
         for _ in range(4):

@@ -203,18 +203,35 @@ def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_except
 
 
 
-def test_a_tensor_sent_to_a_worker_arrives_whole_and_writable():
-    """The driver's serializer for Ray (workers._tensor_to_bytes: the bytes as numpy, which Ray sends out of band)
-    and the worker's deserializer: dtype, shape and values back as sent, non-contiguous, 0-d and empty tensors too;
-    the received tensor owns its memory (Ray's buffer is read-only), so an in-place change leaves the buffer as is."""
-    sent = [torch.randn(4, 6).to(torch.bfloat16), torch.arange(12).view(3, 4).t(), torch.tensor(True),
-            torch.zeros(0, 3), torch.tensor([[1, 36, 36]])]
-    for tensor in sent:
-        dtype, shape, data = workers._tensor_to_bytes(tensor)
-        assert data.dtype.name == "uint8" and data.nbytes == tensor.numel() * tensor.element_size()
-        before = data.tobytes()
-        data.flags.writeable = False  # as Ray hands it over
-        got = workers._tensor_from_bytes((dtype, shape, data))
-        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
-        got.logical_not_() if got.dtype == torch.bool else got.add_(1)
-        assert data.tobytes() == before and (tensor.numel() == 0 or not torch.equal(got, tensor))
+
+def test_results_come_back_in_call_order_each_read_once(monkeypatch):
+    """_get waits for the workers in the order they finish and returns their results in the order called."""
+    reads = []
+    monkeypatch.setattr(workers.ray, "wait", lambda refs, num_returns: (refs[-1:], refs[:-1]))  # the last first
+    monkeypatch.setattr(workers.ray, "get", lambda ref: reads.append(ref) or ref.upper())
+    assert workers.WorkerGroup._get(None, ["a", "b", "c"], "generation") == ["A", "B", "C"]
+    assert reads == ["c", "b", "a"]
+
+
+def test_a_tensor_sent_to_a_worker_arrives_whole_writable_and_alone(monkeypatch):
+    """Through Ray's own pickler with workers.send_tensors_as_bytes registered (no cluster needed): dtype, shape and
+    values back as sent (bf16, bool, 0-d, empty, non-contiguous); a prompt's tensor shared by its samples travels
+    once and comes back shared; a view travels as its own bytes, not its base's; the received tensor is the worker's
+    own (Ray's buffer is read-only and may be another's), so an in-place change leaves the sent bytes as they were."""
+    import ray.cloudpickle
+
+    monkeypatch.setitem(ray.cloudpickle.CloudPickler.dispatch, torch.Tensor, None)  # restored after the test
+    workers.send_tensors_as_bytes()
+    image, base = torch.randn(6, 4).to(torch.bfloat16), torch.arange(1000.0)
+    sent = [image, torch.arange(12).view(3, 4).t(), torch.tensor(True), torch.zeros(0, 3), base[10:20]]
+    samples = [{"multi_modal_inputs": {"pixel_values": image}, "tensors": sent} for _ in range(5)]
+    buffers = []
+    blob = ray.cloudpickle.dumps(samples, protocol=5, buffer_callback=buffers.append)
+    assert sum(b.raw().nbytes for b in buffers) == sum(t.numel() * t.element_size() for t in sent)  # each once
+    kept = [t.clone() for t in sent]
+    got = ray.cloudpickle.loads(blob, buffers=buffers)  # the sender's own memory: an alias would change `sent`
+    assert all(s["multi_modal_inputs"]["pixel_values"] is got[0]["tensors"][0] for s in got)
+    for tensor, back in zip(sent, got[0]["tensors"]):
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+        back.logical_not_() if back.dtype == torch.bool else back.add_(1)
+    assert all(torch.equal(t, k) for t, k in zip(sent, kept))
