@@ -600,12 +600,9 @@ def count_flops_params(hf, text_config):
     is a lookup, not counted), "head": the LM head (vocab x hidden, also when tied to the embedding), "vision":
     vision tower parameters (per patch), "attention": head_dim x heads x layers}."""
     head = hf.get_output_embeddings().weight
-    body = vision = 0
-    for name, p in hf.named_parameters():
-        if ".visual." in f".{name}":
-            vision += p.numel()
-        elif "embed_tokens" not in name and p is not head:
-            body += p.numel()
+    vision = sum(p.numel() for name, p in hf.named_parameters() if ".visual." in f".{name}")
+    body = sum(p.numel() for name, p in hf.named_parameters()
+               if ".visual." not in f".{name}" and "embed_tokens" not in name and p is not head)
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     return {"body": body, "head": head.numel(), "vision": vision,
