@@ -175,6 +175,7 @@ class PromptLoader(collections.abc.Iterator):
         return batch
 
 
+@atexit.register
 def _stop_prefetching():
     """At exit, before daemon threads are stopped: a prefetch ends after the row it builds (or within 5 s). A daemon
     thread inside torch when the interpreter ends aborts it ('terminate called without an active exception')."""
@@ -182,9 +183,6 @@ def _stop_prefetching():
     for thread in threading.enumerate():
         if thread.name == "prefetch":
             thread.join(timeout=5)
-
-
-atexit.register(_stop_prefetching)
 
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
