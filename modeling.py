@@ -158,9 +158,10 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
 
 def check_packable(config, longest, where):
     """Refuse, from the config alone, a model whose token mixing the packed pass would get wrong: attention scores
-    capped (Gemma2), a sliding window shorter than `longest` tokens (the packed attention applies none), and
-    recurrent or hybrid layers (conv, Mamba, linear attention), which run across the packed row, past the sequence
-    boundaries that only attention is given. Called by build_model and, before any worker starts, by the trainer."""
+    capped (Gemma2), a sliding window shorter than `longest` tokens (the packed attention applies none), other
+    attention patterns (chunked, sparse), and recurrent or hybrid layers (conv, Mamba, linear attention), which run
+    across the packed row, past the sequence boundaries that only attention is given. Called by build_model and,
+    before any worker starts, by the trainer."""
     text = config.get_text_config()
     if cap := getattr(text, "attn_logit_softcapping", None):
         raise ValueError(f"{where}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is not implemented "
@@ -174,8 +175,11 @@ def check_packable(config, longest, where):
                          f"max_response_length ({longest}), and the packed attention applies no window: lower the "
                          f"lengths, or drop the window in the rollout too with worker.actor.model.override_config="
                          f"'{drop}")  # (use_sliding_window, read when the config is built, would change nothing)
-    mixers = {t for t in kinds or [] if t not in ("full_attention", "sliding_attention")}
-    if mixers := sorted(mixers | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
+    others = {t for t in kinds or [] if t not in ("full_attention", "sliding_attention")}
+    if patterns := sorted(t for t in others if t.endswith("attention")):  # Llama4's chunks, DeepSeek-V4's sparse
+        raise ValueError(f"{where}: its {', '.join(patterns)} layers attend in a pattern that the packed attention "
+                         "does not implement (it computes full causal attention within each sequence): not supported")
+    if mixers := sorted(others | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1
         raise ValueError(f"{where}: its {', '.join(mixers)} layers carry a state along the sequence, but the packed "
                          "pass, several sequences to a row, gives their boundaries to attention only: each would see "
                          "the ones before it. Recurrent and hybrid models are not supported")

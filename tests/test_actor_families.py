@@ -211,6 +211,8 @@ def test_layer_types_decide_which_layers_slide_in_the_text_config():
                                               "max_window_layers": 1})):
         with pytest.raises(ValueError, match=r"sliding window \(8 tokens\)"):
             modeling.check_packable(config, 72, "x")
+    with pytest.raises(ValueError, match="its chunked_attention layers attend in a pattern"):  # not "carry a state"
+        modeling.check_packable(AutoConfig.for_model("llama4_text", num_hidden_layers=4), 72, "x")
 
 
 def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, toy, caplog):
