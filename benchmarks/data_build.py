@@ -75,8 +75,7 @@ def ray_call_seconds(samples):
     import workers
 
     if not ray.is_initialized():
-        path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # Ray's own packages may be on it
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": workers._worker_env()})  # as the run
     receiver, seconds = ray.remote(Receiver).remote(), {}
     for name in ("torch_pickle", "as_bytes"):
         if name == "as_bytes":
