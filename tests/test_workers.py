@@ -202,8 +202,6 @@ def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_except
     assert caught.value.__cause__ is refusal
 
 
-
-
 def test_results_come_back_in_call_order_each_read_once(monkeypatch):
     """_get waits for the workers in the order they finish and returns their results in the order called."""
     reads = []
