@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -108,7 +109,7 @@ class Run:
         try:
             self.workers = WorkerGroup(cfg, self.training_steps)
         except RuntimeError as e:  # the actor refuses the model as configured (LoRA, a window): its message alone
-            if not isinstance(e.__cause__, ValueError):
+            if not _refused_here(e):
                 raise
             raise ConfigError(str(e.__cause__)) from None
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
@@ -341,7 +342,7 @@ class Run:
         try:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:
-            if isinstance(e.__cause__, ValueError):  # the actor refuses another LoRA or optimizer setting: it says why
+            if _refused_here(e):  # the actor refuses another LoRA or optimizer setting: it says why
                 raise CheckpointError(f"could not resume from {path}: {e.__cause__}") from None
             hint = (" The tracker named it: if trainer.save_checkpoint_path holds another run, pick a new folder, or "
                     "set trainer.find_last_checkpoint=false (its files are moved aside)."
@@ -375,6 +376,13 @@ def _sample(prompt, response):
     return {"uid": prompt["uid"], "prompt_ids": prompt["prompt_ids"], "position_ids": prompt["position_ids"],
             "multi_modal_inputs": prompt["multi_modal_inputs"], "response_ids": response["response_ids"],
             "rollout_logprobs": torch.tensor(response["logprobs"], dtype=torch.float32)}
+
+
+def _refused_here(error):
+    """A worker's failure (workers.WorkerGroup's RuntimeError, the worker's traceback in its message) that is this
+    project's ValueError, a refusal naming what to change; another library's ValueError is a bug, shown whole."""
+    frames = re.findall(r'File "([^"]+)", line \d+', str(error))
+    return isinstance(error.__cause__, ValueError) and bool(frames) and os.path.dirname(frames[-1]) == HERE
 
 
 def _pixel_dtype(cfg):

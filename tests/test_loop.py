@@ -672,20 +672,3 @@ def test_with_filtering_reward_metrics_are_over_every_response_generated():
     prompts, _, _, rewards = run.make_batch({})
     assert [p["name"] for p in prompts] == ["x", "z"]
     assert rewards == {"reward/overall": 0.75, "reward/format": 0.5}
-
-
-def test_a_model_the_actor_refuses_at_setup_is_a_one_line_config_error(tmp_path, fake_stages, monkeypatch):
-    """A worker's setup that refuses the model as configured (LoRA on a mixture's experts, a sliding window shorter
-    than a sample) ends the start-up as a config error with the actor's message, not a traceback through Ray; any
-    other failure of a worker stays a RuntimeError."""
-    def workers(cause):
-        def start(*args):
-            raise RuntimeError("a worker failed during setup") from cause
-        return start
-
-    monkeypatch.setattr(trainer, "WorkerGroup", workers(ValueError("worker.actor.model.lora.target_modules=x: no")))
-    with pytest.raises(ConfigError, match=r"^worker.actor.model.lora.target_modules=x: no$"):
-        make_run(tmp_path)
-    monkeypatch.setattr(trainer, "WorkerGroup", workers(OSError("disk")))
-    with pytest.raises(RuntimeError, match="a worker failed during setup"):
-        make_run(tmp_path)

@@ -2,6 +2,7 @@
 train_step and fit) with fake workers, as tests/test_loop.py: the uids, seeds and scores of filtered rounds, the
 settings each call gets, the passes a setting skips. Every expected number is worked out by hand in the test."""
 
+import os
 import types
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import advantage
 import trainer
-from config import load_config
+from config import ConfigError, load_config
 from test_loop import bare_run, fake_stages, make_run, scripted_fit, step_run, two_round_run  # noqa: F401 (fixture)
 
 
@@ -160,6 +161,29 @@ def test_pass_at_k_filtering_drops_groups_whose_top_is_shared():
     assert [p["name"] for p in run.make_batch({})[0]] == ["y", "z"]
 
 
+def test_a_model_the_actor_refuses_at_setup_is_a_one_line_config_error(tmp_path, fake_stages, monkeypatch):
+    """A worker's setup that refuses the model as configured (LoRA on a mixture's experts, a sliding window shorter
+    than a sample: this project's ValueError) ends the start-up as a config error with the actor's message, not a
+    traceback through Ray; any other failure of a worker, another library's ValueError too (a bug), stays a
+    RuntimeError that holds the worker's traceback."""
+    def workers(cause, where):
+        def start(*args):
+            raise RuntimeError(f'a worker failed during setup:\nTraceback ...\n  File "{where}", line 9, in f') \
+                from cause
+        return start
+
+    ours, library = os.path.join(trainer.HERE, "modeling.py"), "/venv/site-packages/transformers/modeling_utils.py"
+    refusal = ValueError("worker.actor.model.lora.target_modules=x: no")
+    monkeypatch.setattr(trainer, "WorkerGroup", workers(refusal, ours))
+    with pytest.raises(ConfigError, match=r"^worker.actor.model.lora.target_modules=x: no$"):
+        make_run(tmp_path)
+    for cause, where in ((OSError("disk"), ours), (ValueError("shapes differ"), library)):
+        monkeypatch.setattr(trainer, "WorkerGroup", workers(cause, where))
+        with pytest.raises(RuntimeError, match="a worker failed during setup:\nTraceback") as caught:
+            make_run(tmp_path)
+        assert not isinstance(caught.value, ConfigError)
+
+
 def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_cause(tmp_path, monkeypatch):
     """A changed LoRA or optimizer setting (the actor's ValueError, the cause of the worker group's error): the
     trainer raised a RuntimeError holding the worker's traceback, with advice for a folder holding another run.
@@ -170,9 +194,12 @@ def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_ca
     monkeypatch.setattr(test_checkpoint.actor, "save_hf_files", lambda *args, **kwargs: None)
     test_checkpoint.save_steps(tmp_path, [1])
     refusal = ValueError("it holds the state of model.lora.rank=8, this run has model.lora.rank=4: resume with ...")
-    for cause, error in ((refusal, CheckpointError), (KeyError("size mismatch"), RuntimeError)):
-        def load(self, path, cause=cause):
-            raise RuntimeError("a worker failed during checkpoint load:\n(pid=1) Traceback ...") from cause
+    ours, library = os.path.join(trainer.HERE, "actor.py"), "/venv/site-packages/torch/distributed/checkpoint/api.py"
+    for cause, where, error in ((refusal, ours, CheckpointError), (KeyError("size mismatch"), ours, RuntimeError),
+                                (ValueError("size mismatch"), library, RuntimeError)):
+        def load(self, path, cause=cause, where=where):
+            raise RuntimeError(f'a worker failed during checkpoint load:\n(pid=1) Traceback ...\n  File "{where}", '
+                               'line 9, in f') from cause
         monkeypatch.setattr(test_checkpoint.FakeWorkers, "load", load)
         with pytest.raises(error) as caught:
             test_checkpoint.fake_run(tmp_path, test_checkpoint.make_cfg())
