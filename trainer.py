@@ -103,7 +103,7 @@ class Run:
             raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: {e.strerror}") from None
         load = t.load_checkpoint_path and os.path.expanduser(t.load_checkpoint_path)
         checkpoint = find_checkpoint(self.ckpt_root, load, t.find_last_checkpoint, t.val_only)
-        self.logger = Logger(self.ckpt_root, t.logger, cfg)  # and starts no tracker run
+        self.logger = Logger(self.ckpt_root, t.logger, cfg)  # starts W&B/MLflow/SwanLab: after the data's checks
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
         try:
