@@ -324,11 +324,11 @@ class Actor:
     def update(self, samples):
         """PPO-style update on this rank's samples, in mini-batches of global_batch_size x n_per_prompt / world.
         Returns metrics over all ranks, the same on every rank except perf/*: actor/pg_loss and actor/kl_loss (mean
-        over optimizer steps); token means of actor/entropy (the true entropy), actor/ppo_kl, actor/pg_clipfrac_higher,
-        actor/pg_clipfrac_lower and the TIS metrics of policy_loss; actor/grad_norm (mean of the finite norms before
-        clipping), actor/lr (last step), actor/skipped_steps, actor/tokens (response tokens per epoch); on CUDA
-        perf/mfu_actor (this rank's counted FLOPs / time / peak) and perf/max_memory_allocated_gb. Weights left
-        non-finite (by steps of finite gradients) raise FloatingPointError before anything syncs or saves them."""
+        over optimizer steps); token means of actor/ppo_kl, actor/entropy, actor/pg_clipfrac_higher and _lower (clip
+        types), actor/rollout_logp_abs_diff and (tis_cap) actor/tis_weight, tis_capfrac; actor/grad_norm (the finite
+        norms' mean, before clipping), actor/lr (last step), actor/skipped_steps, actor/tokens (response tokens per
+        epoch); on CUDA perf/mfu_actor (this rank's FLOPs / time / peak) and perf/max_memory_allocated_gb. Weights
+        left non-finite (by steps of finite gradients) raise FloatingPointError before anything syncs or saves them."""
         if self.optimizer is None:
             raise RuntimeError("Actor.update: this is the reference (role='ref'); it has no optimizer")
         c = self.cfg
