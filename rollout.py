@@ -51,9 +51,9 @@ VIDEO_METADATA = {"qwen3_vl": "pair", "qwen3_vl_moe": "pair", "qwen2_5_vl": "kwa
 
 def make_rollout(cfg, model_path, *, max_prompt_length, max_response_length, device, tokenizer_path=None,
                  batch_size=64):
-    """The engine named by cfg.name, in cfg.dtype (bf16 | fp16 | fp32; fp32 for hf on CPU). tokenizer_path:
-    where the generation config / tokenizer live if not in model_path. batch_size: hf only, sequences decoded
-    together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
+    """The engine named by cfg.name, in cfg.dtype (bf16 | fp16 | fp32; not changed on CPU: set fp32 for hf there).
+    tokenizer_path: where the generation config / tokenizer live if not in model_path. batch_size: hf only,
+    sequences decoded together (memory bound: KV cache of batch_size x (prompt + max_tokens) tokens)."""
     for key, allowed in (("name", ENGINES), ("dtype", DTYPES)):
         if getattr(cfg, key) not in allowed:
             raise ValueError(f"worker.rollout.{key}={getattr(cfg, key)!r} is not one of {sorted(allowed)}")
