@@ -406,9 +406,9 @@ class Actor:
 
     @torch.no_grad()
     def named_tensors(self):
-        """Stream (name, full tensor) pairs of the HF model's state_dict(), gathered one at a time onto self.device in
-        the master dtype, for the rollout engine's load_weights (every rank iterates to the end: all-gathers). With
-        LoRA each adapted weight comes MERGED (W + scaling * B @ A) under its base name, without the adapter tensors."""
+        """Stream (name, full tensor) pairs of the HF model's state_dict() one at a time on self.device, in their stored
+        dtype (LoRA's frozen base: the compute dtype), for the rollout's load_weights (each rank iterates: all-gathers).
+        With LoRA each adapted weight comes MERGED (W + scaling * B @ A) under its base name, no adapter tensors."""
         self.onload()
         try:
             for name, tensor in self.hf.state_dict().items():
