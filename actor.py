@@ -428,9 +428,9 @@ class Actor:
             self.offload()
 
     def save_checkpoint(self, path, model_only=False):
-        """Write `path`/model and `path`/optim (DCP: the HF model's state dict, or the peft model's with LoRA, and
-        the optimizer's; no optim with model_only), `path`/extra_state.pt (optimizer steps, LR scheduler, rank 0's
-        RNG) and `path`/huggingface/ (config, generation config, tokenizer, processor; adapter_config.json)."""
+        """Write `path`/model and `path`/optim (DCP: the HF model's state dict, or the peft model's with LoRA, and the
+        optimizer's; no optim with model_only), `path`/extra_state.pt (optimizer steps, LR scheduler, rank 0's RNG, the
+        optim strategy, LoRA settings: a resume checks them) and `path`/huggingface/ (configs, tokenizer, processor)."""
         os.makedirs(path, exist_ok=True)
         dcp.save(get_model_state_dict(self.module), checkpoint_id=os.path.join(path, "model"))
         if self.optimizer is not None and not model_only:
