@@ -270,7 +270,7 @@ def shared_image_units(samples, lengths, budget):
 
 def pixels_key(inputs, key):
     """What makes two samples' images (videos) the same: their pixel tensor's memory and shape. The n responses of
-    a prompt share the prompt's tensors, also after Ray hands them to a worker (it copies the dicts, not the data)."""
+    a prompt share the prompt's tensors, also in a worker (Ray pickles a tensor several dicts hold once: one copy)."""
     pixels = torch.as_tensor(inputs[key])
     return key, pixels.data_ptr(), tuple(pixels.shape)
 
