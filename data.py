@@ -92,6 +92,12 @@ def load_processor(tokenizer_path, cfg, trust_remote_code=False):
             except (ValueError, TypeError, KeyError):
                 raise DataError(f"data.override_chat_template={path}: a .json file needs a \"chat_template\" string")
         processor.chat_template = tokenizer.chat_template = text
+        try:  # else compiled at the first row: a jinja2 traceback from inside transformers; said now, with its line
+            tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+        except jinja2.TemplateSyntaxError as e:
+            raise DataError(f"data.override_chat_template ({path}) line {e.lineno}: {e.message}") from None
+        except Exception:  # one that wants other messages: the rows' check names the row it fails on
+            pass
     if getattr(processor, "chat_template", None) is None:  # transformers' error would come at the first row
         raise DataError(f"{tokenizer_path} has no chat template (a base model?): set data.override_chat_template "
                         "to a Jinja file that lays out the system and user messages and the generation prompt")
@@ -368,7 +374,11 @@ class PromptBuilder:
                 or isinstance(answer, float) and math.isnan(answer):
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
         if self.template:
-            content = self.template.render(content=content)
+            try:  # a runtime error of the template ({{ content.foo.bar }} with StrictUndefined): this row's
+                content = self.template.render(content=content)
+            except jinja2.TemplateError as e:
+                raise DataError(f"{where}: data.format_prompt ({cfg.format_prompt}) failed on this row: "
+                                f"{type(e).__name__}: {e}") from None
         if found := [token for token in self.special_tokens if token in content]:  # a vision token miscounts images
             raise DataError(f"{where}: the prompt has {sorted(found)} written in it, which the tokenizer reads as the "
                             "model's own tokens (vision or chat: is it already chat-templated?); mark images and videos"
@@ -386,7 +396,12 @@ class PromptBuilder:
                        for piece in re.split(r"(<image>|<video>)", content) if piece]
         messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         messages.append({"role": "user", "content": content})
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:  # the chat template's own raise_exception, or an undefined name in an override
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:
+            source = (f"data.override_chat_template ({cfg.override_chat_template})" if cfg.override_chat_template
+                      else "the model's chat template")
+            raise DataError(f"{where}: {source} failed on this row: {type(e).__name__}: {e}") from None
         for kind, items in (("image", images), ("video", videos)) if self.image_processor is not None else ():
             if (n := text.count(token := getattr(self.processor, f"{kind}_token"))) != len(items):
                 raise DataError(f"{where}: the chat template gave {n} {token} for {len(items)} {kind}(s): "

@@ -197,3 +197,25 @@ def test_images_in_a_column_the_keys_do_not_name_are_said(tmp_path, caplog):
         assert [m for m in caplog.messages if "hold images" in m] == ([] if said is None else [
             f"{tmp_path / name}.parquet: column(s) {said} hold images or videos, but data.image_key='images' and "
             "video_key='videos' name none of them: rows are text only"])
+
+
+def test_a_template_that_fails_is_a_data_error_not_a_jinja_traceback(tmp_path, toy):
+    """A format_prompt that parses but fails on a row, an override with a syntax error, one that raises: each was a
+    jinja2 traceback from the start-up check (inside transformers for the chat template), now a DataError."""
+    row = {"problem": "What is 3 + 4?", "answer": "7"}
+    (tmp_path / "f.jinja").write_text("{{ content.foo.bar }}")  # parses, and uses only `content`
+    fmt = builder(toy["text_model"], config(format_prompt=str(tmp_path / "f.jinja")))
+    with pytest.raises(data.DataError, match=r"r3: data.format_prompt \(.*f.jinja\) failed on this row: Undefined"):
+        fmt.prompt_text(row, "r3")
+    (tmp_path / "syntax.jinja").write_text("{% for m in messages %}{{ m.content }\n")
+    (tmp_path / "raise.jinja").write_text("{{ raise_exception('no system message') }}")
+    for model in ("text_model", "vl_model"):
+        with pytest.raises(data.DataError, match=r"data.override_chat_template \(.*syntax.jinja\) line 1: unexpected"):
+            builder(toy[model], config(override_chat_template=str(tmp_path / "syntax.jinja")))
+        raising = builder(toy[model], config(override_chat_template=str(tmp_path / "raise.jinja")))
+        with pytest.raises(data.DataError, match=r"r3: data.override_chat_template \(.*raise.jinja\) failed on this "
+                           "row: TemplateError: no system message"):
+            raising.prompt_text(row, "r3")
+    pd.DataFrame([row] * 2).to_parquet(tmp_path / "rows.parquet")  # the start-up check names the row
+    with pytest.raises(data.DataError, match=r"rows.parquet row 0: data.format_prompt .* failed on this row"):
+        data.check_rows(data.load_rows(str(tmp_path / "rows.parquet"), fmt.cfg), fmt)
