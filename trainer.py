@@ -141,10 +141,16 @@ class Run:
                     raise RuntimeError(f"training stopped at step {self.step}: {error}") from error.__cause__
                 frozen += math.isnan(metrics.get("actor/grad_norm", 0.0))  # NaN: no optimizer step was taken
                 last = self.step == self.training_steps
+                save = (t.save_freq > 0 and self.step % t.save_freq == 0) or last
                 if last or (t.val_freq > 0 and self.step % t.val_freq == 0):  # the last step always validates
-                    with timer(metrics, "validation"):
-                        metrics.update(self.validate())
-                if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
+                    try:
+                        with timer(metrics, "validation"):
+                            metrics.update(self.validate())
+                    except reward.RewardError as error:  # the step has trained: its row, and its checkpoint if due
+                        self.save_checkpoint(metrics) if save else self.logger.log(metrics, self.step)
+                        raise RuntimeError(f"validation at step {self.step} failed (the step is logged"
+                                           f"{' and saved' if save else ''}): {error}") from error.__cause__
+                if save:
                     self.save_checkpoint(metrics)  # logs this step's row before the checkpoint is complete
                 else:
                     self.logger.log(metrics, self.step)

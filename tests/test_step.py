@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import advantage
+import reward
 import trainer
 from config import ConfigError, load_config
 from test_loop import bare_run, fake_stages, make_run, scripted_fit, step_run, two_round_run  # noqa: F401 (fixture)
@@ -131,6 +132,23 @@ def test_the_last_step_is_saved_whatever_save_freq():
     """save_freq 2 over 3 steps: checkpoints at 2 and at the last step, 3 (EasyR1 saves the final weights)."""
     run = bare_run("trainer.val_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=2", training_steps=3)
     assert scripted_fit(run)[1] == [2, 3]
+
+
+@pytest.mark.parametrize("overrides, steps, saved, rows", [
+    (["trainer.val_freq=-1", "trainer.save_freq=-1"], 2, [2], [1, 2]),  # the last step: validated, then saved
+    (["trainer.val_freq=1", "trainer.save_freq=5"], 3, [], [1]),         # no save due at step 1: its row only
+])
+def test_a_reward_that_fails_in_validation_keeps_the_trained_step(overrides, steps, saved, rows):
+    """The reward raised on a validation response: fit raised before the step's row and due checkpoint were written,
+    so the run lost every step since its last checkpoint. Now they are written, then the run stops naming the step."""
+    run = bare_run("trainer.val_before_train=false", *overrides, training_steps=steps)
+    run.train_step, done = (lambda: {"reward/overall": 0.0}), []
+    run.validate = lambda: (_ for _ in ()).throw(reward.RewardError("reward function 'r.py:fn' raised ValueError"))
+    run.save_checkpoint = lambda metrics: done.append(run.step) or run.logger.log(metrics, run.step)
+    with pytest.raises(RuntimeError, match=rf"validation at step {rows[-1]} failed \(the step is logged"
+                       rf"{' and saved' if saved else ''}\): reward function 'r.py:fn' raised"):
+        run.fit()
+    assert done == saved and [step for step, _ in run.logger.rows] == rows
 
 
 def test_a_reward_key_of_some_responses_is_their_mean_over_rounds():
