@@ -540,6 +540,9 @@ def main(argv=None):
         raise SystemExit(130)
     try:
         run.fit()
+    except data.DataError as e:  # a row that went bad after the start-up check: its image removed or changed since
+        print(f"data error at step {run.step} (earlier steps' rows and checkpoints are kept): {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         saved = os.path.exists(os.path.join(run.ckpt_root, TRACKER))
         print(f"\ninterrupted at step {run.step}; " + (f"the last complete checkpoint is in {run.ckpt_root}" if saved

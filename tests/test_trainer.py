@@ -310,6 +310,27 @@ def test_an_interrupt_exits_130_saying_the_step_and_whether_a_checkpoint_is_ther
     assert f"interrupted at step 4; no checkpoint in {tmp_path} yet" in capsys.readouterr().out
 
 
+def test_a_row_gone_bad_mid_run_is_a_one_line_data_error(tmp_path, monkeypatch, capsys):
+    """An image file removed after the start-up check: the prefetched batch's DataError (a ValueError) went past
+    fit's RuntimeError handler and main, a traceback through PIL's frames. Now one line naming the step and the row."""
+    import data
+
+    class GoneBad:
+        def __init__(self, cfg):
+            self.step = 3
+
+        def fit(self):
+            raise data.DataError("x.jsonl row 23: image 0 of column 'images' is unreadable: FileNotFoundError")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer, "Run", GoneBad)
+    assert trainer.main([]) == 2
+    assert capsys.readouterr().err == ("data error at step 3 (earlier steps' rows and checkpoints are kept): x.jsonl "
+                                       "row 23: image 0 of column 'images' is unreadable: FileNotFoundError\n")
+
+
 def test_an_interrupt_during_start_up_exits_130_in_one_line(monkeypatch, capsys):
     def interrupted(cfg):
         raise KeyboardInterrupt
