@@ -147,6 +147,7 @@ class Run:
                         with timer(metrics, "validation"):
                             metrics.update(self.validate())
                     except reward.RewardError as error:  # the step has trained: its row, and its checkpoint if due
+                        self.workers.sleep()  # the engine, left awake by the validation, frees the save's memory
                         self.save_checkpoint(metrics) if save else self.logger.log(metrics, self.step)
                         raise RuntimeError(f"validation at step {self.step} failed (the step is logged"
                                            f"{' and saved' if save else ''}): {error}") from error.__cause__

@@ -140,15 +140,17 @@ def test_the_last_step_is_saved_whatever_save_freq():
 ])
 def test_a_reward_that_fails_in_validation_keeps_the_trained_step(overrides, steps, saved, rows):
     """The reward raised on a validation response: fit raised before the step's row and due checkpoint were written,
-    so the run lost every step since its last checkpoint. Now they are written, then the run stops naming the step."""
+    so the run lost every step since its last checkpoint. Now they are written (the engine put to sleep first), then
+    the run stops naming the step."""
     run = bare_run("trainer.val_before_train=false", *overrides, training_steps=steps)
     run.train_step, done = (lambda: {"reward/overall": 0.0}), []
     run.validate = lambda: (_ for _ in ()).throw(reward.RewardError("reward function 'r.py:fn' raised ValueError"))
     run.save_checkpoint = lambda metrics: done.append(run.step) or run.logger.log(metrics, run.step)
+    run.workers = types.SimpleNamespace(sleep=lambda: done.append("sleep"))  # the engine, awake after generating
     with pytest.raises(RuntimeError, match=rf"validation at step {rows[-1]} failed \(the step is logged"
                        rf"{' and saved' if saved else ''}\): reward function 'r.py:fn' raised"):
         run.fit()
-    assert done == saved and [step for step, _ in run.logger.rows] == rows
+    assert done == ["sleep", *saved] and [step for step, _ in run.logger.rows] == rows
 
 
 def test_a_reward_key_of_some_responses_is_their_mean_over_rounds():
