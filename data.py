@@ -338,8 +338,10 @@ class PromptBuilder:
             try:
                 out.append(fn(item, *args))
             except Exception as e:
+                path = item.get("path") if isinstance(item, dict) else item  # an absolute one: no lookup to explain
+                relative = isinstance(e, FileNotFoundError) and isinstance(path, str) and not os.path.isabs(path)
                 hint = (f" (a relative path is looked up under data.image_dir={self.cfg.image_dir!r}; null: the "
-                        f"working directory {os.getcwd()})" if isinstance(e, FileNotFoundError) else "")
+                        f"working directory {os.getcwd()})" if relative else "")
                 raise DataError(f"{where}: {kind} {k} of column '{getattr(self.cfg, kind + '_key')}' is unreadable: "
                                 f"{type(e).__name__}: {e}{hint}") from e  # str: a missing file's path too
         return out
@@ -579,7 +581,8 @@ def load_rows(spec, cfg):
         try:
             parts = [(f"{path}@{split or 'train'}", datasets.load_dataset(path, split=split or "train"))]
         except Exception as e:
-            raise DataError(f"'{spec}' is neither a local file or folder (looked in {os.getcwd()} and {HERE}) "
+            where = " and ".join(dict.fromkeys([os.getcwd(), HERE]))  # one folder when run from beside data.py
+            raise DataError(f"'{spec}' is neither a local file or folder (looked in {where}) "
                             f"nor loadable from the hub: {e!r}") from e
     elif os.path.isfile(local):
         if split not in (None, "train"):

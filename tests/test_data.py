@@ -621,8 +621,8 @@ TRUNCATED_CLIP = CLIP[:len(CLIP) // 2]
 BAD_ROWS = {
     "unreadable image": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": b"not a png", "path": None}]},
                          "image 0 of column 'images' is unreadable"),
-    "missing image file": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": "/no/x.png"}]},
-                           "image 0 of column 'images' is unreadable: FileNotFoundError: .*'/no/x.png' \\(a "
+    "missing image file": ({"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": "no/x.png"}]},
+                           "image 0 of column 'images' is unreadable: FileNotFoundError: .*'no/x.png' \\(a "
                            "relative path is looked up under data.image_dir=None; null: the working directory"),
     "empty prompt": ({"problem": "  ", "answer": "a", "images": []}, "no prompt text in column 'problem'"),
     "null prompt": ({"problem": None, "answer": "a", "images": []}, "no prompt text in column 'problem'"),

@@ -219,3 +219,15 @@ def test_a_template_that_fails_is_a_data_error_not_a_jinja_traceback(tmp_path, t
     pd.DataFrame([row] * 2).to_parquet(tmp_path / "rows.parquet")  # the start-up check names the row
     with pytest.raises(data.DataError, match=r"rows.parquet row 0: data.format_prompt .* failed on this row"):
         data.check_rows(data.load_rows(str(tmp_path / "rows.parquet"), fmt.cfg), fmt)
+
+
+def test_a_missing_files_message_gives_only_the_hints_that_apply(tmp_path, toy, monkeypatch):
+    """A missing image at an absolute path was told how relative paths are looked up (data.image_dir); a data file
+    that is nowhere, looked for from the project's folder, named that folder twice."""
+    row = {"problem": "<image>Q?", "answer": "a", "images": [{"bytes": None, "path": str(tmp_path / "x.png")}]}
+    with pytest.raises(data.DataError, match=r"row 0: image 0 .* FileNotFoundError: .*x\.png'$"):
+        builder(toy["vl_model"]).build(row, 0, "row 0")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: (_ for _ in ()).throw(ConnectionError()))
+    monkeypatch.chdir(data.HERE)
+    with pytest.raises(data.DataError, match=rf"\(looked in {re.escape(data.HERE)}\) nor loadable from the hub"):
+        data.load_rows("no/such_set@train", config())
