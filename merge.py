@@ -67,8 +67,11 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
     adapter_only = lora is not None and not merge_lora
     output = os.path.abspath(output or os.path.join(local_dir, "adapter" if adapter_only else "merged"))
     check_output(output, local_dir, force)
-    os.makedirs(os.path.dirname(output), exist_ok=True)
-    lock = open(output + ".lock", "w")  # held until this merge ends (a crash too: the OS lets it go)
+    try:
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        lock = open(output + ".lock", "w")  # held until this merge ends (a crash too: the OS lets it go)
+    except OSError as e:  # a read-only checkpoint (the default output is inside it), no permission, a full disk
+        raise MergeError(f"cannot write {output}: {e.strerror}; choose a writable folder with --output") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

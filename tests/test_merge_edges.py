@@ -379,3 +379,21 @@ def test_a_mixture_of_experts_merges_into_what_save_pretrained_writes(toy, tmp_p
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in got and got.keys() == expected.keys() == index.keys()
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_an_output_that_cannot_be_written_is_an_error_naming_it(toy, tmp_path):
+    """The default output lies inside the checkpoint: a read-only checkpoint (an archive, a shared store) ended the
+    merge with a PermissionError traceback from opening <output>.lock (probe AI); now one line naming the output and
+    --output. Root ignores modes, so a folder under a file stands in for it where the tests run as root."""
+    actor = tmp_path / "actor"
+    text_checkpoint(toy, actor)
+    (tmp_path / "file").write_text("")
+    outputs = [tmp_path / "file" / "merged"]
+    if os.geteuid() != 0:
+        os.chmod(actor, 0o555)
+        outputs.append(actor / "merged")
+    for output in outputs:
+        with pytest.raises(merge.MergeError, match=rf"cannot write {output}: .*choose a writable folder with --output"):
+            merge.merge_checkpoint(str(actor), output=None if output.parent == actor else str(output))
+    os.chmod(actor, 0o755)
+    assert sorted(os.listdir(actor)) == ["huggingface", "model"]
