@@ -207,6 +207,13 @@ def check_checkpoint(local_dir):
     needed = ["config.json", "tokenizer_config.json"] + ["processor_config.json or preprocessor_config.json"] * vl
     if missing := [f for f in needed if not any(os.path.exists(f"{hf_dir}/{name}") for name in f.split(" or "))]:
         raise MergeError(f"{hf_dir} lacks {', '.join(missing)} (save or copy cut short); copy them from the base model")
+    try:  # its vocabulary (tokenizer.json, vocab.json, ...) lost: the merged model's does not load, or encodes nothing
+        problem = not transformers.AutoTokenizer.from_pretrained(hf_dir)("a b", add_special_tokens=False).input_ids
+    except Exception as e:
+        problem = f" ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+    if problem:
+        raise MergeError(f"{hf_dir}: the tokenizer does not load{'' if problem is True else problem} or has no "
+                         "vocabulary; copy its files from the base model")
     return model_dir, hf_dir
 
 

@@ -397,3 +397,21 @@ def test_an_output_that_cannot_be_written_is_an_error_naming_it(toy, tmp_path):
             merge.merge_checkpoint(str(actor), output=None if output.parent == actor else str(output))
     os.chmod(actor, 0o755)
     assert sorted(os.listdir(actor)) == ["huggingface", "model"]
+
+
+def test_a_tokenizer_that_does_not_load_is_an_error_before_any_work(toy, tmp_path):
+    """huggingface/ without tokenizer.json (a copy cut short) merged with exit 0 (probe AI): a VL model's processor
+    then failed to load at serving time ('Couldn't instantiate the backend tokenizer'), a text model's tokenizer
+    loaded with no vocabulary and encoded every text to no tokens. Now an error naming the folder, before any weight
+    is read."""
+    actor, vl = tmp_path / "text" / "actor", tmp_path / "vl" / "actor"
+    text_checkpoint(toy, actor)
+    write_hf_dir(toy["vl_model"], str(vl / "huggingface"))
+    (vl / "model").mkdir()
+    (vl / "model" / ".metadata").write_bytes(b"")
+    for local_dir in (actor, vl):
+        os.remove(local_dir / "huggingface" / "tokenizer.json")
+        with pytest.raises(merge.MergeError, match=rf"{local_dir}/huggingface: the tokenizer does not load.* or has no "
+                                                   "vocabulary; copy its files from the base model"):
+            merge.merge_checkpoint(str(local_dir))
+        assert sorted(os.listdir(local_dir)) == ["huggingface", "model"]
