@@ -227,6 +227,10 @@ def check_output(output, local_dir, force):
         raise MergeError(f"--output {output} is a file or a symlink; remove it or choose another --output")
     if os.path.exists(output) and not force:
         raise MergeError(f"{output} already exists; pass --force to replace it, or choose another --output")
+    if force and (held := glob.glob(f"{glob.escape(output)}/**/.metadata", recursive=True)
+                  + glob.glob(f"{glob.escape(output)}/checkpoint_tracker.json")):  # a run folder, a checkpoint
+        raise MergeError(f"--force would delete {output}, which holds training checkpoints ({held[0]}); "
+                         "choose another --output")
 
 
 def read_metadata(model_dir):

@@ -415,3 +415,21 @@ def test_a_tokenizer_that_does_not_load_is_an_error_before_any_work(toy, tmp_pat
                                                    "vocabulary; copy its files from the base model"):
             merge.merge_checkpoint(str(local_dir))
         assert sorted(os.listdir(local_dir)) == ["huggingface", "model"]
+
+
+def test_force_never_replaces_a_folder_holding_checkpoints(toy, tmp_path):
+    """--output <a run folder> --force deleted that run, its checkpoints and tracker included, with exit 0 (probe
+    AI); --force replaces an earlier merge's output, never another checkpoint or a run folder."""
+    actor = tmp_path / "actor"
+    text_checkpoint(toy, actor)
+    run = tmp_path / "run"
+    copy_ckpt(actor, run / "global_step_1" / "actor")
+    (run / "checkpoint_tracker.json").write_text('{"last_global_step": 1}')
+    other = copy_ckpt(actor, tmp_path / "other" / "actor")
+    for output in (run, other):
+        with pytest.raises(merge.MergeError, match=rf"--force would delete {output}, which holds training checkpoints"):
+            merge.merge_checkpoint(str(actor), output=str(output), force=True)
+    assert sorted(os.listdir(run)) == ["checkpoint_tracker.json", "global_step_1"]
+    assert sorted(os.listdir(other)) == ["huggingface", "model"]
+    out = merge.merge_checkpoint(str(actor), output=str(tmp_path / "merged"))
+    assert merge.merge_checkpoint(str(actor), output=out, force=True) == out  # an earlier output: replaced
