@@ -346,22 +346,25 @@ class Run:
         if path is None:
             return None if self.cfg.trainer.val_only else self.logger.rewind(-1)  # an earlier attempt's rows run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
-        try:
-            self.workers.load(os.path.join(path, "actor"))
-        except RuntimeError as e:
-            if _refused_here(e):  # the actor refuses another LoRA or optimizer setting: it says why
-                raise CheckpointError(f"could not resume from {path}: {e.__cause__}") from None
-            hint = (" The tracker named it: if trainer.save_checkpoint_path holds another run, pick a new folder, or "
-                    "set trainer.find_last_checkpoint=false (its files are moved aside)."
-                    if self.cfg.trainer.load_checkpoint_path is None else "")
-            raise RuntimeError(f"could not resume from {path}: {e}.{hint}") from None
         saved = os.path.join(os.path.dirname(os.path.abspath(path)), "experiment_config.json")
-        if os.path.exists(saved):  # allowed (more steps, another learning rate), but said
+        if os.path.exists(saved):  # allowed (more steps, another learning rate), but said: before a load that fails
             old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}
                         for tree in (json.load(open(saved)), json.loads(json.dumps(config_to_dict(self.cfg)))))
             if changed := [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old | new)
                            if old.get(k) != new.get(k)]:
                 print(f"resuming {path} under other settings than {saved}'s: {'; '.join(changed)}", flush=True)
+        try:
+            self.workers.load(os.path.join(path, "actor"))
+        except RuntimeError as e:
+            if _refused_here(e):  # the actor refuses another LoRA or optimizer setting: it says why
+                raise CheckpointError(f"could not resume from {path}: {e.__cause__}") from None
+            why = (re.findall(r"^\S*(?:Error|Exception): .*", str(e), re.M) or str(e).splitlines())[-1]  # innermost
+            hint = ("; if trainer.save_checkpoint_path holds another run, pick a new folder, or set trainer.find_last_"
+                    "checkpoint=false (its files are moved aside)" if self.cfg.trainer.load_checkpoint_path is None
+                    else "")  # a damaged shard, another model: one line, not a traceback through DCP
+            raise CheckpointError(f"could not resume from {path}: its actor/ did not load ({why.split('. ')[0]}). "
+                                  f"Restore damaged files, or pick an earlier global_step_N: trainer.load_checkpoint_"
+                                  f"path; set worker.actor.model.model_path back if it changed{hint}") from None
         if self.cfg.algorithm.kl_type == state.get("kl_type", "adaptive") == "adaptive":  # a fixed beta: the config's
             self.kl_ctrl.value = state["kl_coef"]
         self.best = {k: state.get(k) for k in self.best}

@@ -206,8 +206,9 @@ def test_a_model_the_actor_refuses_at_setup_is_a_one_line_config_error(tmp_path,
 
 def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_cause(tmp_path, monkeypatch):
     """A changed LoRA or optimizer setting (the actor's ValueError, the cause of the worker group's error): the
-    trainer raised a RuntimeError holding the worker's traceback, with advice for a folder holding another run.
-    Any other failure keeps that advice and stays a RuntimeError."""
+    trainer raised a RuntimeError holding the worker's traceback; now the refusal's own line. Any other failure (a
+    damaged shard, another model: probe AI) is one line too, naming the innermost error and what to change, with the
+    advice for a folder holding another run when the tracker chose the checkpoint."""
     import test_checkpoint
     from run_folder import CheckpointError
 
@@ -215,15 +216,39 @@ def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_ca
     test_checkpoint.save_steps(tmp_path, [1])
     refusal = ValueError("it holds the state of model.lora.rank=8, this run has model.lora.rank=4: resume with ...")
     ours, library = os.path.join(trainer.HERE, "actor.py"), "/venv/site-packages/torch/distributed/checkpoint/api.py"
-    for cause, where, error in ((refusal, ours, CheckpointError), (KeyError("size mismatch"), ours, RuntimeError),
-                                (ValueError("size mismatch"), library, RuntimeError)):
+    for cause, where in ((refusal, ours), (KeyError("size mismatch"), ours), (ValueError("size mismatch"), library)):
         def load(self, path, cause=cause, where=where):
             raise RuntimeError(f'a worker failed during checkpoint load:\n(pid=1) Traceback ...\n  File "{where}", '
-                               'line 9, in f') from cause
+                               f'line 9, in f\n{type(cause).__name__}: {cause}') from cause
         monkeypatch.setattr(test_checkpoint.FakeWorkers, "load", load)
-        with pytest.raises(error) as caught:
+        with pytest.raises(CheckpointError) as caught:
             test_checkpoint.fake_run(tmp_path, test_checkpoint.make_cfg())
         text = str(caught.value)
-        assert text.startswith(f"could not resume from {tmp_path / 'global_step_1'}: ")
-        assert ("Traceback" in text) == ("find_last_checkpoint=false" in text) == (error is RuntimeError), text
-        assert error is RuntimeError or ("\n" not in text and text.endswith(str(refusal)))
+        assert text.startswith(f"could not resume from {tmp_path / 'global_step_1'}: ") and "\n" not in text, text
+        assert ("find_last_checkpoint=false" in text) == (cause is not refusal), text
+        assert text.endswith(str(refusal)) if cause is refusal else f"did not load ({type(cause).__name__}: " in text
+
+
+def test_a_damaged_shard_of_a_complete_looking_checkpoint_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A model shard overwritten in place (its size kept, so find_checkpoint finds it complete) ended the start with a
+    64-line traceback through torch.distributed.checkpoint and torch.load's advice to load with weights_only=False,
+    exit 1 (probe AI, end to end on the toy). Now a checkpoint error naming the folder and the innermost error."""
+    import traceback
+
+    import test_checkpoint
+    from run_folder import CheckpointError
+
+    monkeypatch.setattr(test_checkpoint.actor, "save_hf_files", lambda *args, **kwargs: None)
+    test_checkpoint.save_steps(tmp_path, [1])
+    shard = tmp_path / "global_step_1" / "actor" / "model" / "__0_0.distcp"
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+
+    def load(self, path):  # as workers.WorkerGroup._get raises a worker's failure: its traceback in the message
+        try:
+            test_checkpoint.actor.Actor.load_checkpoint(self.actor, path)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise RuntimeError(f"a worker failed during checkpoint load:\n{traceback.format_exc()}") from e
+    monkeypatch.setattr(test_checkpoint.FakeWorkers, "load", load)
+    with pytest.raises(CheckpointError, match=r"^could not resume from .*global_step_1: its actor/ did not load "
+                                              r"\(\S*UnpicklingError: Weights only load failed\)\. Restore damaged"):
+        test_checkpoint.fake_run(tmp_path, test_checkpoint.make_cfg())
