@@ -99,11 +99,12 @@ class Run:
                                                             f"checkpoints/{t.project_name}/{t.experiment_name}"))
         try:  # after the data's checks: a bad row moves no earlier run aside
             os.makedirs(self.ckpt_root, exist_ok=True)
-        except OSError as e:  # a file in the way, no permission
-            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: {e.strerror}") from None
-        load = t.load_checkpoint_path and os.path.expanduser(t.load_checkpoint_path)
-        checkpoint = find_checkpoint(self.ckpt_root, load, t.find_last_checkpoint, t.val_only)
-        self.logger = Logger(self.ckpt_root, t.logger, cfg)  # starts W&B/MLflow/SwanLab: after the data's checks
+            load = t.load_checkpoint_path and os.path.expanduser(t.load_checkpoint_path)
+            checkpoint = find_checkpoint(self.ckpt_root, load, t.find_last_checkpoint, t.val_only)
+            self.logger = Logger(self.ckpt_root, t.logger, cfg)  # starts W&B/MLflow/SwanLab: after the data's checks
+        except OSError as e:  # a file in the way, no permission, a read-only run folder (its logs are opened)
+            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: {e.strerror}"
+                              + (f" ({e.filename})" if e.filename != self.ckpt_root else "")) from None
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
         try:

@@ -377,3 +377,20 @@ def test_a_resume_under_other_settings_names_them(tmp_path, capsys, monkeypatch)
     fake_run(tmp_path, cfg).logger.close()
     assert (f"resuming {tmp_path}/global_step_1 under other settings than {tmp_path}/experiment_config.json's: "
             "trainer.max_steps: None -> 9; worker.actor.optim.lr: 1e-06 -> 3e-06") in capsys.readouterr().out
+
+
+def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
+    """A read-only run folder (chattr +i end to end; chmod for a non-root user) ended the start with a PermissionError
+    traceback from opening experiment_log.jsonl (probe AI), a resume and trainer.val_only alike. Root ignores modes,
+    so the Logger's open is made to fail as it did."""
+    import errno
+
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the mistake was found"))
+    log = str(tmp_path / "run" / "experiment_log.jsonl")
+    monkeypatch.setattr(trainer, "Logger", mock.Mock(side_effect=PermissionError(errno.EPERM, "Operation not "
+                                                                                 "permitted", log)))
+    for extra in ([], ["trainer.val_only=true"]):
+        assert trainer.main([f"trainer.save_checkpoint_path={tmp_path / 'run'}", *extra]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Generating" not in line]
+        assert err == [f"config error: trainer.save_checkpoint_path={tmp_path / 'run'}: Operation not permitted "
+                       f"({log})"], err
