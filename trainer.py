@@ -348,12 +348,15 @@ class Run:
             return None if self.cfg.trainer.val_only else self.logger.rewind(-1)  # an earlier attempt's rows run again
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         saved = os.path.join(os.path.dirname(os.path.abspath(path)), "experiment_config.json")
-        if os.path.exists(saved):  # allowed (more steps, another learning rate), but said: before a load that fails
-            old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}
-                        for tree in (json.load(open(saved)), json.loads(json.dumps(config_to_dict(self.cfg)))))
-            if changed := [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old | new)
-                           if old.get(k) != new.get(k)]:
-                print(f"resuming {path} under other settings than {saved}'s: {'; '.join(changed)}", flush=True)
+        old = new = {}
+        try:  # allowed (more steps, another learning rate), but said: before a load that fails
+            if os.path.exists(saved):
+                old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}
+                            for tree in (json.load(open(saved)), json.loads(json.dumps(config_to_dict(self.cfg)))))
+        except Exception as e:  # cut short or edited by hand: written again once the resume is through
+            print(f"{saved} cannot be read ({type(e).__name__}: {e}): the settings are not compared", flush=True)
+        if changed := [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old | new) if old.get(k) != new.get(k)]:
+            print(f"resuming {path} under other settings than {saved}'s: {'; '.join(changed)}", flush=True)
         try:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:

@@ -377,6 +377,9 @@ def test_a_resume_under_other_settings_names_them(tmp_path, capsys, monkeypatch)
     fake_run(tmp_path, cfg).logger.close()
     assert (f"resuming {tmp_path}/global_step_1 under other settings than {tmp_path}/experiment_config.json's: "
             "trainer.max_steps: None -> 9; worker.actor.optim.lr: 1e-06 -> 3e-06") in capsys.readouterr().out
+    (tmp_path / "experiment_config.json").write_text('{"data": {"train_')  # cut short: said, the resume goes on
+    assert fake_run(tmp_path, cfg).step == 1  # (probe AI: a JSONDecodeError traceback once the workers had loaded)
+    assert f"{tmp_path}/experiment_config.json cannot be read (JSONDecodeError: " in capsys.readouterr().out
 
 
 def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
