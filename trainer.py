@@ -97,6 +97,11 @@ class Run:
                               f"{d.rollout_batch_size} prompts; lower it or set trainer.max_steps")
         self.ckpt_root = os.path.abspath(os.path.expanduser(t.save_checkpoint_path or
                                                             f"checkpoints/{t.project_name}/{t.experiment_name}"))
+        if marker := next((m for m in ("trainer_state.json", "extra_state.pt") if os.path.isfile(
+                os.path.join(self.ckpt_root, m))), None):  # a fresh run nested in a checkpoint, not a resume from it
+            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root} is a checkpoint (it holds {marker}), not "
+                              f"a run folder: to resume from it, set trainer.load_checkpoint_path to its global_step_N "
+                              f"folder and trainer.save_checkpoint_path to the folder holding it")
         try:  # after the data's checks: a bad row moves no earlier run aside
             os.makedirs(self.ckpt_root, exist_ok=True)
             load = t.load_checkpoint_path and os.path.expanduser(t.load_checkpoint_path)

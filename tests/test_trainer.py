@@ -397,3 +397,18 @@ def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Generating" not in line]
         assert err == [f"config error: trainer.save_checkpoint_path={tmp_path / 'run'}: Operation not permitted "
                        f"({log})"], err
+
+
+def test_a_checkpoint_given_as_the_run_folder_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
+    """trainer.save_checkpoint_path=<run>/global_step_2 (meaning: resume from it) started a fresh run from the base
+    model inside that checkpoint, its logs and global_step_1..3 nested beside actor/, without a word (probe AI, end to
+    end on the toy). Now a config error that says how to resume from it, before anything is written."""
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the mistake was found"))
+    for folder, marker in (("global_step_2", "trainer_state.json"), ("global_step_2/actor", "extra_state.pt")):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / marker).write_text("{}")
+        assert trainer.main([f"trainer.save_checkpoint_path={tmp_path / folder}"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Generating" not in line]
+        assert len(err) == 1 and err[0].startswith(f"config error: trainer.save_checkpoint_path={tmp_path / folder} "
+                                                   f"is a checkpoint (it holds {marker}), not a run folder"), err
+    assert sorted(os.listdir(tmp_path / "global_step_2")) == ["actor", "trainer_state.json"]
