@@ -278,7 +278,12 @@ def remove_checkpoint(path):
     own = names & {"actor/model", "actor/optim", "actor/extra_state.pt", "actor/huggingface", "dataloader.pt",
                    "trainer_state.json"}
     if not (kept := sorted(names - own - {"actor"})):
-        return shutil.rmtree(path, ignore_errors=True)
+        try:
+            return shutil.rmtree(path)
+        except FileNotFoundError:  # not there (a step saved the first time), or removed meanwhile
+            return None
+        except OSError as e:  # immutable or another user's files: left, and said (the run goes on)
+            return print(f"{path}: not removed ({e.strerror}: {e.filename}); remove it by hand", flush=True)
     if own:  # none: removed, and said, before
         print(f"{path}: removing the checkpoint but keeping what else is there: {', '.join(kept)}", flush=True)
     for name in own:

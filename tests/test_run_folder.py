@@ -255,3 +255,29 @@ def test_a_run_whose_steps_all_skipped_their_update_says_so_at_the_end(tmp_path,
     run.fit()
     run.logger.close()
     assert "; but 2 of the 3 steps changed no weight: every optimizer step was skipped" in capsys.readouterr().out
+
+
+def test_a_checkpoint_the_rotation_cannot_remove_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """save_limit's rotation removed old checkpoints with rmtree(ignore_errors=True): one it could not remove (its
+    files immutable, chattr +i end to end on the toy; another user's) stayed without a word, holding its disk (probe
+    AI). Now it is named; a folder that is not there is no error (a step saved for the first time)."""
+    import errno
+
+    for step in (1, 2, 3):
+        (tmp_path / f"global_step_{step}" / "actor").mkdir(parents=True)
+        (tmp_path / f"global_step_{step}" / "trainer_state.json").write_text("{}")
+    rmtree = run_folder.shutil.rmtree
+
+    def stuck(path, *args, **kwargs):  # as rmtree on immutable files: it raises, or with ignore_errors leaves them
+        if path.endswith("global_step_1"):
+            if kwargs.get("ignore_errors"):
+                return None
+            raise PermissionError(errno.EPERM, "Operation not permitted", f"{path}/trainer_state.json")
+        return rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(run_folder.shutil, "rmtree", stuck)
+    run_folder.remove_old_checkpoints(str(tmp_path), 3, None, 1)
+    assert sorted(os.listdir(tmp_path)) == ["global_step_1", "global_step_3"]
+    assert (f"{tmp_path}/global_step_1: not removed (Operation not permitted: {tmp_path}/global_step_1/trainer_state"
+            ".json); remove it by hand") in capsys.readouterr().out
+    run_folder.remove_checkpoint(str(tmp_path / "global_step_9"))  # not there: nothing to say
+    assert capsys.readouterr().out == ""
