@@ -269,6 +269,11 @@ def check_config(cfg):
                 "trainer.nnodes", "trainer.n_gpus_per_node", "data.max_response_length"):
         if (value := operator.attrgetter(key)(cfg)) is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    if nan := [k for k, hint in KEYS.items() if hint in (float, Optional[float]) and operator.attrgetter(k)(cfg) != \
+               operator.attrgetter(k)(cfg)]:  # NaN: every range check below is False for it, so it would pass
+        raise ConfigError(f"{', '.join(nan)}=nan: not a number; give a value")
+    if not 0 <= o.lr < float("inf"):  # AdamW: a traceback at setup; adamw_bf16: gradient ascent; inf: NaN weights
+        raise ConfigError(f"worker.actor.optim.lr={o.lr} must be finite and >= 0")
     if d.val_batch_size == 0 or d.val_batch_size < -1:
         raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be at least 1, or -1 for the whole set")
     if min(a.max_grad_norm, a.clip_ratio_low, a.clip_ratio_high) < 0 or (a.tis_cap is not None and a.tis_cap <= 0) \

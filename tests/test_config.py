@@ -505,3 +505,18 @@ def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
     for more in (["trainer.max_try_make_batch=4"], ["trainer.max_try_make_batch=-1"], ["algorithm.online_filtering=true"]):
         load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4",
                            "worker.actor.global_batch_size=16", "trainer.max_try_make_batch=3", *more])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("worker.actor.optim.lr=-1e-6", "worker.actor.optim.lr=-1e-06 must be finite and >= 0"),  # torch's traceback
+    ("worker.actor.optim.lr=inf", "worker.actor.optim.lr=inf must be finite"),
+    ("worker.actor.optim.lr=nan", "worker.actor.optim.lr=nan: not a number"),
+    ("algorithm.kl_coef=nan", "algorithm.kl_coef=nan: not a number"),  # min(nan, ...) < 0 let it through
+    ("worker.rollout.temperature=nan", "worker.rollout.temperature=nan"),
+    ("worker.actor.max_grad_norm=nan", "worker.actor.max_grad_norm=nan"),
+])
+def test_a_negative_or_infinite_lr_and_any_nan_are_config_errors(override, message):
+    """Probe AJ: these loaded; lr=-1e-3 on the toy died in the worker's setup with torch's 'Invalid learning rate'."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+    load_config(None, ["worker.actor.optim.lr=0", "worker.reward.call_timeout=null"])
