@@ -520,3 +520,9 @@ def test_a_negative_or_infinite_lr_and_any_nan_are_config_errors(override, messa
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
     load_config(None, ["worker.actor.optim.lr=0", "worker.reward.call_timeout=null"])
+
+
+def test_betas_that_are_not_numbers_are_a_config_error_not_a_type_error():
+    """Probe AJ: betas=[0.9,abc] raised TypeError ('<=' between int and str) out of check_config."""
+    with pytest.raises(ConfigError, match=re.escape("betas=[0.9, 'abc'] must be two numbers")):
+        load_config(None, ["worker.actor.optim.betas=[0.9,abc]"])
