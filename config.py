@@ -300,6 +300,9 @@ def check_config(cfg):
     if r.name == "vllm" and world % r.tensor_parallel_size:
         raise ConfigError(f"worker.rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} "
                           f"workers (trainer.nnodes x trainer.n_gpus_per_node)")
+    if bad := [f"worker.{k}.fsdp.fsdp_size={f.fsdp_size}" for k, f in (("actor", a.fsdp), ("ref", cfg.worker.ref.fsdp))
+               if 0 < f.fsdp_size < world and world % f.fsdp_size]:  # the (world / size, size) mesh: not all ranks
+        raise ConfigError(f"{', '.join(bad)} must divide the {world} workers (trainer.nnodes x n_gpus_per_node), or -1")
     if a.global_batch_size * r.n % world:  # then rollout_batch_size x n, a multiple, divides too
         raise ConfigError(f"worker.actor.global_batch_size x worker.rollout.n = {a.global_batch_size * r.n} must be "
                           f"divisible by the {world} workers (trainer.nnodes x trainer.n_gpus_per_node)")

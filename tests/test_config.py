@@ -526,3 +526,10 @@ def test_betas_that_are_not_numbers_are_a_config_error_not_a_type_error():
     """Probe AJ: betas=[0.9,abc] raised TypeError ('<=' between int and str) out of check_config."""
     with pytest.raises(ConfigError, match=re.escape("betas=[0.9, 'abc'] must be two numbers")):
         load_config(None, ["worker.actor.optim.betas=[0.9,abc]"])
+
+
+def test_an_fsdp_size_that_does_not_divide_the_workers_is_a_config_error():
+    """Probe AJ: fsdp_size=3 of 8 GPUs loaded; the workers' init_device_mesh((2, 3)) then fails on 8 ranks."""
+    with pytest.raises(ConfigError, match=re.escape("worker.ref.fsdp.fsdp_size=3 must divide the 8 workers")):
+        load_config("geo3k", ["worker.ref.fsdp.fsdp_size=3"])
+    load_config("geo3k", ["worker.actor.fsdp.fsdp_size=4", "worker.ref.fsdp.fsdp_size=8"])  # 8: all, as -1
