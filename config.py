@@ -319,11 +319,12 @@ def check_config(cfg):
     if not alg.online_filtering and (d.mini_rollout_batch_size or 0) > d.rollout_batch_size:  # the excess is dropped
         raise ConfigError(f"data.mini_rollout_batch_size={d.mini_rollout_batch_size} must be at most "
                           f"data.rollout_batch_size={d.rollout_batch_size} without algorithm.online_filtering")
-    if not alg.online_filtering and d.mini_rollout_batch_size and 0 < t.max_try_make_batch < (rounds := -(
-            -d.rollout_batch_size // d.mini_rollout_batch_size)):  # else step 1 fails after its generation rounds
+    if d.mini_rollout_batch_size and 0 < t.max_try_make_batch < (rounds := -(-d.rollout_batch_size //
+                                                                            d.mini_rollout_batch_size)):
         raise ConfigError(f"trainer.max_try_make_batch={t.max_try_make_batch} is below the {rounds} generation rounds "
-                          f"of data.mini_rollout_batch_size={d.mini_rollout_batch_size} that make a step's "
-                          f"data.rollout_batch_size={d.rollout_batch_size}: raise it (<= 0: no limit)")
+                          f"of data.mini_rollout_batch_size={d.mini_rollout_batch_size} that a step's data.rollout_"
+                          f"batch_size={d.rollout_batch_size} needs at least (step 1 would fail after generating them; "
+                          f"online filtering needs more): raise it (<= 0: no limit)")
     for where, s in (("", vars(r)), ("val_override_config.", {**vars(r), **r.val_override_config})):  # at start-up
         if any(type(s[k]) not in (int, float) for k in ("temperature", "top_p")) \
                 or any(type(s[k]) is not int for k in ("n", "top_k")) or s["n"] < 1 \

@@ -498,11 +498,13 @@ def test_top_k_one_warns_a_mini_batch_that_divides_does_not_and_a_list_after_a_s
 
 
 def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
-    """Probe AJ: without online filtering a step takes ceil(rollout / mini) rounds; fewer allowed failed step 1."""
-    with pytest.raises(ConfigError, match=re.escape("trainer.max_try_make_batch=3 is below the 4 generation rounds")):
-        load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4",
-                           "worker.actor.global_batch_size=16", "trainer.max_try_make_batch=3"])
-    for more in (["trainer.max_try_make_batch=4"], ["trainer.max_try_make_batch=-1"], ["algorithm.online_filtering=true"]):
+    """Probe AJ: a step takes at least ceil(rollout / mini) rounds (exactly that many without online filtering, which
+    keeps some groups only); fewer allowed failed step 1 after its rounds."""
+    for filtering in ("false", "true"):
+        with pytest.raises(ConfigError, match=re.escape("max_try_make_batch=3 is below the 4 generation rounds")):
+            load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4", "trainer.max_try_make_"
+                               "batch=3", "worker.actor.global_batch_size=16", f"algorithm.online_filtering={filtering}"])
+    for more in (["trainer.max_try_make_batch=4"], ["trainer.max_try_make_batch=-1"]):
         load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4",
                            "worker.actor.global_batch_size=16", "trainer.max_try_make_batch=3", *more])
 

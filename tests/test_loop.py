@@ -500,9 +500,9 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
 
 @pytest.mark.parametrize("filtering", [True, False])
 def test_the_round_limit_names_what_to_change(filtering):
-    """max_try_make_batch 2 and one prompt a round where 4 are wanted: the error after two rounds advises on the
+    """max_try_make_batch 2 and one prompt a round (of 2 asked) where 4 are wanted: the error after two rounds advises on the
     filter only when online filtering is on; without it the rounds are few because mini_rollout_batch_size is."""
-    run = bare_run("data.rollout_batch_size=4", "data.mini_rollout_batch_size=1", "worker.rollout.n=2",
+    run = bare_run("data.rollout_batch_size=4", "data.mini_rollout_batch_size=2", "worker.rollout.n=2",
                    "worker.actor.global_batch_size=2", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf",
                    "trainer.max_try_make_batch=2", f"algorithm.online_filtering={str(filtering).lower()}")
     run.train_iter = iter([[{"name": "x"}]] * 3)
