@@ -332,6 +332,9 @@ def check_config(cfg):
             raise ConfigError(f"worker.rollout.{where}n={s['n']} (>= 1), temperature={s['temperature']} (>= 0), "
                               f"top_p={s['top_p']} (in (0, 1]), top_k={s['top_k']} (-1 or 0: off; n and top_k "
                               f"integers): out of range")
+    if not 0 < r.gpu_memory_utilization <= 1 or not d.video_fps > 0:  # vLLM's refusal in each worker; frames of 0 fps
+        raise ConfigError(f"worker.rollout.gpu_memory_utilization={r.gpu_memory_utilization} (in (0, 1]), data.video_"
+                          f"fps={d.video_fps} (> 0): out of range")
     if r.max_model_len is not None and r.max_model_len < d.max_prompt_length + d.max_response_length:
         raise ConfigError(f"worker.rollout.max_model_len={r.max_model_len} is below data.max_prompt_length + "
                           f"max_response_length = {d.max_prompt_length + d.max_response_length}: vLLM would refuse "

@@ -292,6 +292,8 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     (["worker.actor.max_grad_norm=-1"], "worker.actor.max_grad_norm=-1.0 (0: no clipping), clip_ratio_low=0.2"),
     (["worker.actor.tis_cap=0"], "tis_cap=0.0 (> 0 or null): out of range"),
     (["worker.actor.clip_ratio_high=-0.5"], "clip_ratio_high=-0.5 (>= 0)"),
+    (["worker.rollout.gpu_memory_utilization=1.5"], "gpu_memory_utilization=1.5 (in (0, 1]), data.video_fps=2.0"),
+    (["data.video_fps=0"], "data.video_fps=0.0 (> 0): out of range"),  # vLLM's error in each worker; no frames
     # a group is kept when low < mean < high: no group ever is, and the step retries max_try_make_batch rounds
     (["algorithm.online_filtering=true", "algorithm.filter_low=0.5", "algorithm.filter_high=0.5"],
      "algorithm.filter_low=0.5 must be < algorithm.filter_high=0.5"),
