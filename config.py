@@ -269,8 +269,8 @@ def check_config(cfg):
                 "trainer.nnodes", "trainer.n_gpus_per_node", "data.max_response_length"):
         if (value := operator.attrgetter(key)(cfg)) is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
-    if nan := [k for k, hint in KEYS.items() if hint in (float, Optional[float]) and operator.attrgetter(k)(cfg) != \
-               operator.attrgetter(k)(cfg)]:  # NaN: every range check below is False for it, so it would pass
+    if nan := [k for k, hint in KEYS.items() if hint in (float, Optional[float])  # NaN passes every range check
+               and (value := operator.attrgetter(k)(cfg)) != value]:
         raise ConfigError(f"{', '.join(nan)}=nan: not a number; give a value")
     if not 0 <= o.lr < float("inf"):  # AdamW: a traceback at setup; adamw_bf16: gradient ascent; inf: NaN weights
         raise ConfigError(f"worker.actor.optim.lr={o.lr} must be finite and >= 0")
