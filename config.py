@@ -246,8 +246,11 @@ def load_config(path=None, overrides=()):
             if any(k.startswith(key + ".") for k in KEYS):
                 raise ConfigError(f"{key} is a section; set its keys ({key}.<key>=value)")
             value = f"[{value}]" if KEYS.get(key) is list and not value.lstrip().startswith("[") else value  # a,b,c
+            layer = OmegaConf.from_dotlist([f"{key}={value}"])
+            if KEYS.get(key) in (str, Optional[str]) and type(OmegaConf.select(layer, key)) in (int, float, bool):
+                OmegaConf.update(layer, key, value.strip())  # `experiment_name=007` is the text 007, not 7
             # `val_override_config={...}` replaces the dict; `val_override_config.top_p=0.9` sets one entry
-            cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), "command line", replace_dicts=key in KEYS)
+            cfg = _merge(cfg, layer, "command line", replace_dicts=key in KEYS)
         cfg = OmegaConf.to_object(cfg)  # the dataclasses, ${...} interpolations resolved
     except OmegaConfBaseException as e:  # e.g. a bad ${...} interpolation in the file, an override or a default
         literal = " (a literal ${ is written \\${)" if isinstance(e, GrammarParseError) else ""

@@ -436,6 +436,14 @@ def test_a_list_key_takes_one_value_or_a_bracketed_list():
     assert load_config(None, ["worker.actor.optim.betas=[0.8, 0.9]"]).worker.actor.optim.betas == [0.8, 0.9]
 
 
+def test_a_text_key_given_digits_on_the_command_line_keeps_them_as_written():
+    """`trainer.experiment_name=007` named the run 7 (OmegaConf reads 007 as a number, then makes it text)."""
+    cfg = load_config(None, ["trainer.experiment_name=007", "data.system_prompt=1e3", "data.prompt_key=true",
+                             "data.image_dir=null", "trainer.project_name='0.50'"])
+    assert (cfg.trainer.experiment_name, cfg.data.system_prompt, cfg.data.prompt_key) == ("007", "1e3", "true")
+    assert cfg.data.image_dir is None and cfg.trainer.project_name == "0.50"
+
+
 def test_a_file_with_a_list_or_a_value_for_a_section_names_the_file(tmp_path):
     top, section = tmp_path / "top.yaml", tmp_path / "section.yaml"
     top.write_text("- data\n- trainer\n")
