@@ -235,7 +235,10 @@ def load_config(path=None, overrides=()):
     try:
         cfg = OmegaConf.structured(Config)  # struct mode: a key that is not a field is an error
         if path is not None:
-            tree = OmegaConf.load(path := _config_file(path))
+            try:
+                tree = OmegaConf.load(path := _config_file(path))
+            except OSError as e:  # no permission; a file of one value (OmegaConf: "Invalid loaded object type: int")
+                raise ConfigError(f"{path}: {e.strerror or e}; expected a mapping of sections at the top") from None
             if not isinstance(tree, DictConfig):
                 raise ConfigError(f"{path}: expected a mapping of sections at the top level, got a list")
             cfg = _merge(cfg, tree, path, replace_dicts=True)

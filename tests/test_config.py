@@ -445,11 +445,13 @@ def test_a_text_key_given_digits_on_the_command_line_keeps_them_as_written():
 
 
 def test_a_file_with_a_list_or_a_value_for_a_section_names_the_file(tmp_path):
-    top, section = tmp_path / "top.yaml", tmp_path / "section.yaml"
+    top, section, value = tmp_path / "top.yaml", tmp_path / "section.yaml", tmp_path / "value.yaml"
     top.write_text("- data\n- trainer\n")
     section.write_text("worker:\n  rollout: 5\n")
-    with pytest.raises(ConfigError, match=re.escape(f"{top}: expected a mapping of sections at the top level")):
-        load_config(str(top))
+    value.write_text("5\n")  # was OmegaConf's OSError, a traceback
+    for path in (top, value):
+        with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + ".*expected a mapping of sections at the top"):
+            load_config(str(path))
     with pytest.raises(ConfigError, match=re.escape(f"{section}: ")):
         load_config(str(section))
 
