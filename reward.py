@@ -131,10 +131,9 @@ class RewardFunction:
         return scores
 
     def _call(self, inputs, i=None):
-        """fn on inputs[i] (a list of one for a batch function), or on all inputs when i is None; here or, with a
-        call_timeout, in the reward process. A RewardError if it raises, times out or ends the process."""
-        arg = [copy.deepcopy(x) for x in (inputs if i is None else inputs[i:i + 1])]  # each sample its own copy,
-        arg = arg[0] if i is not None and self.reward_type == "sequential" else arg  # as in the reward process
+        """fn on a copy of inputs[i] (sequential) or of each input (i None: batch), as the reward process gets them;
+        here or, with a call_timeout, there. A RewardError if it raises, times out or ends the process."""
+        arg = copy.deepcopy(inputs[i]) if i is not None else [copy.deepcopy(x) for x in inputs]
         if self.call_timeout is None:
             try:
                 return self.fn(arg, **self.kwargs)
