@@ -439,8 +439,7 @@ def process_image(image, min_pixels, max_pixels, image_dir=None):
     if image.has_transparency_data:  # RGBA, LA, PA, or a palette's / RGB's transparent colour
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     image = image.convert("RGB") if image.mode != "RGB" else image
-    size = _target_size(image.width, image.height, min_pixels, max_pixels)
-    return image.resize(size) if size != image.size else image
+    return image.resize(_target_size(image.width, image.height, min_pixels, max_pixels))  # same size: PIL copies
 
 
 def process_video(video, min_pixels, max_pixels, fps, image_dir=None, factor=28):
