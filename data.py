@@ -382,9 +382,8 @@ class PromptBuilder:
                 raise DataError(f"{where}: data.format_prompt ({cfg.format_prompt}) failed on this row: "
                                 f"{type(e).__name__}: {e}") from None
         if found := [token for token in self.special_tokens if token in content]:  # a vision token miscounts images
-            raise DataError(f"{where}: the prompt has {sorted(found)} written in it, which the tokenizer reads as the "
-                            "model's own tokens (vision or chat: is it already chat-templated?); mark images and videos"
-                            " with <image> and <video>, remove those")
+            raise DataError(f"{where}: the prompt has {sorted(found)} written in it, the model's own tokens (is it "
+                            "already chat-templated?); remove them, marking images and videos <image> and <video>")
         images, videos = _as_list(row.get(cfg.image_key)), _as_list(row.get(cfg.video_key))
         for kind, key, items in (("image", cfg.image_key, images), ("video", cfg.video_key, videos)):
             if content.count(f"<{kind}>") != len(items):
