@@ -607,10 +607,10 @@ def load_rows(spec, cfg):
         if missing := [key for key in (cfg.prompt_key, cfg.answer_key) if key not in part.column_names]:
             raise DataError(f"{name}: no column {missing} (columns: {part.column_names}); "
                             "set data.prompt_key / data.answer_key to the right names")
-        media = [c for c, f in part.features.items() if isinstance(item := getattr(f, "feature", f), (datasets.Image,
-                 datasets.Video)) or isinstance(item, dict) and "bytes" in item]  # an image or video (list) column
-        if (unused := set(media) - {cfg.image_key, cfg.video_key}) and not {cfg.image_key, cfg.video_key} & set(media):
-            logger.warning(f"{name}: column(s) {sorted(unused)} hold images or videos, but data.image_key="
+        media = {c for c, f in part.features.items() if isinstance(item := getattr(f, "feature", f), (datasets.Image,
+                 datasets.Video)) or isinstance(item, dict) and "bytes" in item}  # an image or video (list) column
+        if media and not media & {cfg.image_key, cfg.video_key}:
+            logger.warning(f"{name}: column(s) {sorted(media)} hold images or videos, but data.image_key="
                            f"{cfg.image_key!r} and video_key={cfg.video_key!r} name none of them: rows are text only")
     rows = Rows(spec, [(name, _undecoded(part)) for name, part in parts])
     if len(rows) == 0:
