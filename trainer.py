@@ -431,9 +431,8 @@ def _batch_metrics(prompts, responses, samples, cfg, metrics):
         if out["rollout/logp_diff_mean"] > LOGP_DIFF_ALARM:
             tqdm.write(f"warning: the actor's log-probs of the sampled tokens differ from the rollout engine's by "
                        f"{out['rollout/logp_diff_mean']:.2f} on average (rollout/logp_diff_mean; ~0.01 in a healthy "
-                       f"bf16 run): the engine sampled another model or prompt than the actor trains on (a weight "
-                       f"sync that did not take, a template or image handled otherwise, a family whose logits the "
-                       f"actor computes otherwise), so the PPO ratios are off")
+                       f"bf16 run): the engine sampled another model or prompt than the actor trains on (a weight sync "
+                       f"that did not take; a template, image or family's logits done otherwise): PPO ratios are off")
     tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     step_time = metrics.get("timing_s/step", 0.0)
     out.update({"perf/total_num_tokens": tokens, "perf/time_per_step": step_time,
@@ -478,10 +477,9 @@ def _ensure_toy_world(cfg):
     if any(str(p).startswith(".toy/") for p in (m.model_path, d.train_files, d.val_files)):
         import toy
         toy.ensure_toy(os.path.abspath(".toy") if os.path.isdir(".toy") else os.path.join(HERE, ".toy"))
-    for obj, key, sep in ((m, "model_path", "@"), (m, "tokenizer_path", "@"), (d, "format_prompt", "@"),
-                          (d, "override_chat_template", "@"), (d, "image_dir", "@"), (d, "train_files", "@"),
-                          (d, "val_files", "@"), (rw, "reward_function", ":")):  # data files: path@split; file.py:fn
-        path, at, rest = (getattr(obj, key) or "").partition(sep)
+    for obj, key in ((m, "model_path"), (m, "tokenizer_path"), (d, "format_prompt"), (d, "override_chat_template"),
+                     (d, "image_dir"), (d, "train_files"), (d, "val_files"), (rw, "reward_function")):
+        path, at, rest = (getattr(obj, key) or "").partition(":" if obj is rw else "@")  # path@split; file.py:fn
         path = os.path.expanduser(path)  # ~/data (the shell leaves a key=~/... as it is)
         found = next((p for p in (path, os.path.join(HERE, path)) if path and os.path.exists(p)), None)
         if found and (key != "reward_function" or path.endswith(".py")):  # not a folder named like a built-in
