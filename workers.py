@@ -255,9 +255,7 @@ def _tensor_to_bytes(tensor):
 
 def _tensor_from_bytes(parts):  # a copy of Ray's read-only buffer: the worker's own tensor, as pickling gives
     dtype, shape, data = parts
-    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-    tensor.reshape(-1).view(torch.uint8).numpy()[:] = data
-    return tensor
+    return torch.tensor(data).view(getattr(torch, dtype)).reshape(shape)  # torch.tensor copies
 
 
 def _worker_env():
