@@ -76,13 +76,11 @@ class Run:
         self.processor, self.tokenizer = data.load_processor(model.tokenizer_path or model.model_path, d,
                                                              trust_remote_code=remote)
         batch = d.mini_rollout_batch_size or d.rollout_batch_size  # prompts a generation round
-        pixels = _pixel_dtype(cfg)
+        common = {"trust_remote_code": remote, "pixel_dtype": _pixel_dtype(cfg)}
         self.train_loader = data.PromptLoader(d.train_files, d, self.processor, hf_config, batch_size=batch,
-                                              shuffle=d.shuffle, drop_last=True, trust_remote_code=remote,
-                                              prefetch=True, pixel_dtype=pixels)  # built while a batch trains
-        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, hf_config, shuffle=False,
-                                            batch_size=d.val_batch_size, drop_last=False, trust_remote_code=remote,
-                                            pixel_dtype=pixels)
+                                              shuffle=d.shuffle, drop_last=True, prefetch=True, **common)
+        self.val_loader = data.PromptLoader(d.val_files, d, self.processor, hf_config, batch_size=d.val_batch_size,
+                                            shuffle=False, drop_last=False, **common)
         # vLLM's limit_mm_per_prompt for videos: the most in one row (0 reserves no memory for video)
         cfg.worker.rollout.limit_videos = max(self.train_loader.videos_per_prompt, self.val_loader.videos_per_prompt)
         most = max(self.train_loader.images_per_prompt, self.val_loader.images_per_prompt)
