@@ -44,18 +44,16 @@ class Worker:
             offload = device == "cuda" and a.fsdp.enable_cpu_offload  # CPU gradients: gloo reduces their norm
             backend = "cuda:nccl,cpu:gloo" if offload else "nccl" if device == "cuda" else "gloo"
             dist.init_process_group(backend, rank=rank, world_size=world_size)
-        common = dict(temperature=r.temperature, device=device, max_prompt_length=d.max_prompt_length, n_per_prompt=r.n,
-                      max_response_length=d.max_response_length, training_steps=training_steps, kl_coef=alg.kl_coef,
-                      use_kl_loss=alg.use_kl_loss and not alg.disable_kl, kl_penalty=alg.kl_penalty)
+        shared = dict(device=device, max_prompt_length=d.max_prompt_length, max_response_length=d.max_response_length)
+        common = dict(shared, temperature=r.temperature, training_steps=training_steps, kl_penalty=alg.kl_penalty,
+                      n_per_prompt=r.n, kl_coef=alg.kl_coef, use_kl_loss=alg.use_kl_loss and not alg.disable_kl)
         torch.manual_seed(d.seed)  # the model's random init (LoRA adapters): the same on every rank and every run
         self.actor = actor.Actor(a, role="actor", **common)
         ref_cfg = dataclasses.replace(a, fsdp=cfg.worker.ref.fsdp, offload=cfg.worker.ref.offload)
         self.ref = actor.Actor(ref_cfg, role="ref", **common) if needs_ref else None
         r = copy.copy(r)
         r.trust_remote_code, r.override_config = a.model.trust_remote_code, a.model.override_config  # the model's
-        self.rollout = rollout.make_rollout(r, a.model.model_path, max_prompt_length=d.max_prompt_length,
-                                            max_response_length=d.max_response_length, device=device,
-                                            tokenizer_path=a.model.tokenizer_path)
+        self.rollout = rollout.make_rollout(r, a.model.model_path, tokenizer_path=a.model.tokenizer_path, **shared)
         self.rank = rank
 
     def sync_weights(self):  # a step's first call (and validation's): the peaks since the update are dropped
