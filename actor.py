@@ -6,8 +6,7 @@ A training step asks three passes of it, each on a list of sample dicts:
                        (+ kl_coef x that of kl_penalty), backward; one clipped optimizer step per mini-batch and epoch
     named_tensors      the full weights, one tensor at a time, for the rollout engine
 and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_loss, kl_penalty: the section first
-below, constants included) needs only torch; the Actor needs modeling.py (loading, FSDP2, LoRA, packing, the forward)
-and a worker.actor section as its cfg (config.py's ActorConfig; keys in configs/geo3k.yaml).
+below) needs only torch; the Actor needs modeling.py and a worker.actor section as its cfg (config.py's ActorConfig).
 
 A sample (built by trainer.py) holds:
     uid                 str          its prompt's group id (workers.py keeps a group on one rank; named in errors)

@@ -41,12 +41,10 @@ VISION_CALLS = {"image": ("get_image_features", "pixel_values", "image_grid_thw"
 # --- Building the model: loading, LoRA, FSDP2 ----------------------------------------------------------------------
 
 def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compile_layers=False, longest=0):
-    """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward; a model
-    that check_packable refuses for sequences of `longest` tokens is refused before its weights load.
-
-    A VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) when the config has a vision_config; attention is packed_attention.
-    LoRA adapters in the master dtype on frozen base weights in the compute dtype. With fsdp.enable_rank0_init rank 0
-    reads the weights and the other ranks, built on the meta device, receive them."""
+    """-> (hf model, state module (the peft model with LoRA, else hf), config), ready for packed_forward; check_packable
+    (for `longest` tokens) refuses before the weights load. A VL model when the config has a vision_config; attention
+    is packed_attention; LoRA adapters in the master dtype on frozen base weights in the compute dtype. With
+    fsdp.enable_rank0_init rank 0 reads the weights and the other ranks, built on the meta device, receive them."""
     sharded = dist.is_available() and dist.is_initialized()
     rank0_init = sharded and dist.get_world_size() > 1 and cfg.fsdp.enable_rank0_init
     model_cfg = cfg.model
@@ -157,11 +155,9 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
 
 
 def check_packable(config, longest, where):
-    """Refuse, from the config alone, a model whose token mixing the packed pass would get wrong: attention scores
-    capped (Gemma2), a sliding window shorter than `longest` tokens (the packed attention applies none), other
-    attention patterns (chunked, sparse), and recurrent or hybrid layers (conv, Mamba, linear attention), which run
-    across the packed row, past the sequence boundaries that only attention is given. Called by build_model and,
-    before any worker starts, by the trainer."""
+    """Refuse, from the config alone (build_model; the trainer before any worker starts), a model whose token mixing
+    the packed pass gets wrong: capped attention scores (Gemma2), a sliding window shorter than `longest` tokens,
+    other attention patterns (chunked, sparse), recurrent or hybrid layers (conv, Mamba, linear attention)."""
     text = config.get_text_config()
     if cap := getattr(text, "attn_logit_softcapping", None):
         raise ValueError(f"{where}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is not implemented "
@@ -432,8 +428,7 @@ def response_log_probs(hidden, lm_head, labels, temperature, with_entropy=False,
 def logit_scale_and_cap(config):
     """(scale, cap): what the family's ForCausalLM.forward does to lm_head's logits, which the packed pass applies as
     the rollout engine does: x logit_scale (Cohere), / logits_scaling (Granite; x it in HyperCLOVAX), then Gemma's
-    final_logit_softcapping. A family that changes them otherwise is not covered (the README's list of checked text
-    families; rollout/logp_diff_mean shows such a gap)."""
+    final_logit_softcapping. A family that changes them otherwise is not covered (rollout/logp_diff_mean shows it)."""
     text = config.get_text_config()
     scaling = getattr(text, "logits_scaling", None) or 1.0
     scale = (getattr(text, "logit_scale", None) or 1.0) * (scaling if "hyperclovax" in text.model_type else 1 / scaling)
@@ -472,8 +467,7 @@ def _as_zero_rows(output):
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function. query [1, Hq, T, D], key / value [1, Hkv, T, D] -> ([1, T, Hq, D], None).
     Boundaries: the vision tower's per-window / per-image `cu_seq_lens_q`, else packed_forward's `packed_cu_seqlens`
-    (forward kwargs), else one sequence. Causal: `is_causal` when given, else module.is_causal. A layer's
-    sliding window is refused once a sequence is longer than it."""
+    (forward kwargs), else one sequence."""
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError("packed_attention: expects one packed row and no attention mask (it is the padding-free "
                          "path of the actor's packed pass); use attn_implementation='sdpa' for padded batches")
