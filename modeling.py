@@ -98,9 +98,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
         adapted = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in adapters}))
         logger.info("actor: LoRA rank %d on %s; every other weight frozen", lora.rank, adapted)
         if fused := [n for n, m in hf.named_modules() if n.endswith("experts") and [*m.parameters(recurse=False)]]:
-            logger.warning("worker.actor.model.lora.target_modules=%r leaves the experts (%s, ...) frozen: a "
-                           "mixture's fused experts are not Linear layers, which peft adapts", lora.target_modules,
-                           fused[0])
+            logger.warning("worker.actor.model.lora.target_modules=%r leaves the experts (%s, ...) frozen: fused "
+                           "experts are not Linear layers, which peft adapts", lora.target_modules, fused[0])
         for p in module.parameters():
             p.data = p.data.to(master_dtype if p.requires_grad else compute_dtype)
     full_state = dict(module.state_dict()) if rank0_init and dist.get_rank() == 0 else None
@@ -644,8 +643,7 @@ class HostCopy:
     def offload(self, tensors):
         if self.storages:  # already offloaded
             return
-        storages = [_local(t).untyped_storage() for t in tensors]
-        storages = {s.data_ptr(): s for s in storages if s.nbytes()}  # one copy of a storage several tensors view
+        storages = {s.data_ptr(): s for s in (_local(t).untyped_storage() for t in tensors) if s.nbytes()}  # once each
         self.storages, self.sizes = list(storages.values()), [s.nbytes() for s in storages.values()]
         if self.buffer is None or self.buffer.numel() != sum(self.sizes):
             self.buffer = None  # the old buffer is unpinned and freed before the new one is taken
