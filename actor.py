@@ -449,8 +449,7 @@ class Actor:
         """Load what save_checkpoint wrote, on any world size. A missing file (a save_model_only checkpoint has no
         optim/) raises FileNotFoundError: never a silent fresh optimizer, LR schedule or RNG."""
         needed = ["model", "extra_state.pt"] + (["optim"] if self.optimizer is not None else [])
-        missing = [name for name in needed if not os.path.exists(os.path.join(path, name))]
-        if missing:
+        if missing := [name for name in needed if not os.path.exists(os.path.join(path, name))]:
             raise FileNotFoundError(f"Actor.load_checkpoint: {path} lacks {', '.join(missing)}; expected the folder "
                                     "that Actor.save_checkpoint wrote (global_step_N/actor, not save_model_only)")
         extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)  # tensors and plain containers
@@ -596,11 +595,10 @@ class Actor:
 
     def _all_ranks(self, values, op="sum"):
         """All-reduce a list of numbers over the ranks (sum, max or min); the numbers themselves without a group."""
-        if not self.sharded:
-            return [float(v) for v in values]
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        if self.sharded:
+            t = t.to(self.device if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return t.tolist()
 
 
