@@ -257,8 +257,7 @@ class Actor:
                                                            self.lora_rank, compile_layers, longest)
         text = self.hf_config.get_text_config()
         self.is_vl = getattr(self.hf_config, "vision_config", None) is not None
-        self.image_token_id = getattr(self.hf_config, "image_token_id", None)
-        self.video_token_id = getattr(self.hf_config, "video_token_id", None)
+        self.token_ids = {k: getattr(self.hf_config, k, None) for k in ("image_token_id", "video_token_id")}
         self.pad_id = getattr(text, "pad_token_id", None) or 0
         self.flops_params = count_flops_params(self.hf, text)
         self.dummy_vision = dummy_vision_input(self.hf, self.device) if self.is_vl else None
@@ -551,8 +550,7 @@ class Actor:
     def _pack(self, samples, idx):
         """Pack samples[idx] (a dummy one-token sample when idx is empty) and move its tensors to the device."""
         chosen = [samples[i] for i in idx] or [{"prompt_ids": [self.pad_id], "response_ids": [self.pad_id]}]
-        batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"],
-                             image_token_id=self.image_token_id, video_token_id=self.video_token_id,
+        batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"], **self.token_ids,
                              merge=self.dummy_vision[2] if self.is_vl else None)
         # The grids stay host lists, read by modeling.vision_indices without a host sync (see packed_forward).
         batch["mm"] = {k: v.tolist() if k.endswith("grid_thw") else to_device(v, self.device)
