@@ -506,9 +506,8 @@ class Actor:
 
     def onload(self, optimizer=False):
         """Offloaded parameters and, with `optimizer`, optimizer state back on the device; the passes call it."""
-        if self.offload_params:
-            self.host_params.onload()
-        if optimizer and self.offload_optimizer:
+        self.host_params.onload()  # each a no-op unless offload() parked it (HostCopy.onload checks)
+        if optimizer:
             self.host_optimizer.onload()
 
     def offload(self):
