@@ -156,7 +156,8 @@ def build_model(cfg, role, device, master_dtype, compute_dtype, lora_rank, compi
 def check_packable(config, longest, where):
     """Refuse, from the config alone (build_model; the trainer before any worker starts), a model whose token mixing
     the packed pass gets wrong: capped attention scores (Gemma2), a sliding window shorter than `longest` tokens,
-    other attention patterns (chunked, sparse), recurrent or hybrid layers (conv, Mamba, linear attention)."""
+    other attention patterns (chunked, sparse), recurrent or hybrid layers (conv, Mamba, linear attention: they run
+    across the packed row's sequence boundaries, which only attention is given)."""
     text = config.get_text_config()
     if cap := getattr(text, "attn_logit_softcapping", None):
         raise ValueError(f"{where}: attn_logit_softcapping={cap} (Gemma2's cap on attention scores) is not implemented "
