@@ -155,6 +155,12 @@ class Run:
                         self.save_checkpoint(metrics) if save else self.logger.log(metrics, self.step)
                         raise RuntimeError(f"validation at step {self.step} failed (the step is logged"
                                            f"{' and saved' if save else ''}): {error}") from error.__cause__
+                    except BaseException as error:  # a worker, a validation row, Ctrl-C: the trained step's row kept
+                        self.logger.log(metrics, self.step)
+                        if not isinstance(error, RuntimeError):
+                            raise
+                        raise RuntimeError(f"validation at step {self.step} failed (the step is logged): {error}") \
+                            from error.__cause__
                 if save:
                     self.save_checkpoint(metrics)  # logs this step's row before the checkpoint is complete
                 else:

@@ -153,6 +153,22 @@ def test_a_reward_that_fails_in_validation_keeps_the_trained_step(overrides, ste
     assert done == ["sleep", *saved] and [step for step, _ in run.logger.rows] == rows
 
 
+@pytest.mark.parametrize("error, raised", [
+    (RuntimeError("worker 0 failed: CUDA error"), RuntimeError),
+    (trainer.data.DataError("val.parquet row 3: image gone"), trainer.data.DataError),
+    (KeyboardInterrupt(), KeyboardInterrupt)])
+def test_a_worker_or_data_failure_in_validation_keeps_the_trained_step_row(error, raised):
+    """A worker failing in validation (or a validation row gone bad, or Ctrl-C) lost the trained step's row; it is
+    logged first (the workers may be gone: no checkpoint), and a worker's error names the step."""
+    run = bare_run("trainer.val_before_train=false", "trainer.val_freq=1", "trainer.save_freq=5", training_steps=3)
+    run.train_step = lambda: {"reward/overall": 0.0}
+    run.validate = lambda: (_ for _ in ()).throw(error)
+    with pytest.raises(raised) as caught:
+        run.fit()
+    assert [step for step, _ in run.logger.rows] == [1]
+    assert raised is not RuntimeError or "at step 1 failed (the step is logged): worker 0" in str(caught.value)
+
+
 def test_a_reward_key_of_some_responses_is_their_mean_over_rounds():
     """Rounds of one prompt: x's responses return acc_x (1, 0.5), y's acc_y (0.25, 0.25) beside overall (1, 1, 0,
     0): as EasyR1, each key is the mean over the responses that return it (a KeyError after the second round
