@@ -172,7 +172,7 @@ def check_packable(config, longest, where):
                          f"lengths, or drop the window in the rollout too with worker.actor.model.override_config="
                          f"'{drop}")  # (use_sliding_window, read when the config is built, would change nothing)
     others = {t for t in kinds or [] if t not in ("full_attention", "sliding_attention")}
-    if patterns := sorted(t for t in others if t.endswith("attention")):  # Llama4's chunks, DeepSeek-V4's sparse
+    if patterns := sorted(t for t in others if t.endswith("attention") and t != "linear_attention"):  # Llama4, DS-V4
         raise ValueError(f"{where}: its {', '.join(patterns)} layers attend in a pattern that the packed attention "
                          "does not implement (it computes full causal attention within each sequence): not supported")
     if mixers := sorted(others | {"mamba" for key in text.to_dict() if key.startswith("mamba_")}):  # Falcon-H1

@@ -213,6 +213,8 @@ def test_layer_types_decide_which_layers_slide_in_the_text_config():
             modeling.check_packable(config, 72, "x")
     with pytest.raises(ValueError, match="its chunked_attention layers attend in a pattern"):  # not "carry a state"
         modeling.check_packable(AutoConfig.for_model("llama4_text", num_hidden_layers=4), 72, "x")
+    with pytest.raises(ValueError, match="its linear_attention layers carry a state"):  # Qwen3-Next, Qwen3.5: recurrent
+        modeling.check_packable(AutoConfig.for_model("qwen3_next", num_hidden_layers=4), 72, "x")
 
 
 def test_lora_says_what_it_adapts_and_that_fused_experts_stay_frozen(tmp_path, toy, caplog):
