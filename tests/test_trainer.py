@@ -397,6 +397,10 @@ def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Generating" not in line]
         assert err == [f"config error: trainer.save_checkpoint_path={tmp_path / 'run'}: Operation not permitted "
                        f"({log})"], err
+    # a tracker's network error (requests': an OSError without a file) is not the run folder's: it stays itself
+    monkeypatch.setattr(trainer, "Logger", mock.Mock(side_effect=ConnectionError("Max retries exceeded")))
+    with pytest.raises(ConnectionError, match="Max retries exceeded"):  # was 'save_checkpoint_path=...: None (None)'
+        trainer.main([f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
 
 
 def test_a_checkpoint_given_as_the_run_folder_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
