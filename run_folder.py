@@ -283,7 +283,7 @@ def remove_checkpoint(path):
         except FileNotFoundError:  # not there (a step saved the first time), or removed meanwhile
             return None
         except OSError as e:  # immutable or another user's files: left, and said (the run goes on)
-            return print(f"{path}: not removed ({e.strerror}: {e.filename}); remove it by hand", flush=True)
+            return print(f"{path}: not removed ({e.strerror or e}: {e.filename or path}); remove by hand", flush=True)
     if own:  # none: removed, and said, before
         print(f"{path}: removing the checkpoint but keeping what else is there: {', '.join(kept)}", flush=True)
     for name in own:

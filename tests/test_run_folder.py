@@ -278,6 +278,11 @@ def test_a_checkpoint_the_rotation_cannot_remove_is_said_and_the_run_goes_on(tmp
     run_folder.remove_old_checkpoints(str(tmp_path), 3, None, 1)
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", "global_step_3"]
     assert (f"{tmp_path}/global_step_1: not removed (Operation not permitted: {tmp_path}/global_step_1/trainer_state"
-            ".json); remove it by hand") in capsys.readouterr().out
+            ".json); remove by hand") in capsys.readouterr().out
     run_folder.remove_checkpoint(str(tmp_path / "global_step_9"))  # not there: nothing to say
     assert capsys.readouterr().out == ""
+    (tmp_path / "elsewhere").mkdir()  # a checkpoint linked in from another disk: rmtree's OSError has no errno
+    (tmp_path / "global_step_0").symlink_to(tmp_path / "elsewhere")  # or file (it printed '(None: None)')
+    run_folder.remove_checkpoint(str(tmp_path / "global_step_0"))
+    assert capsys.readouterr().out == (f"{tmp_path}/global_step_0: not removed (Cannot call rmtree on a symbolic "
+                                       f"link: {tmp_path}/global_step_0); remove by hand\n")
