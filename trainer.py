@@ -105,9 +105,11 @@ class Run:
             load = t.load_checkpoint_path and os.path.expanduser(t.load_checkpoint_path)
             checkpoint = find_checkpoint(self.ckpt_root, load, t.find_last_checkpoint, t.val_only)
             self.logger = Logger(self.ckpt_root, t.logger, cfg)  # starts W&B/MLflow/SwanLab: after the data's checks
-        except OSError as e:  # a file in the way, no permission, a read-only run folder; no file: a tracker's network
-            raise (e if e.filename is None else ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: "
-                   f"{e.strerror}" + (f" ({e.filename})" if e.filename != self.ckpt_root else ""))) from None
+        except OSError as e:  # a file in the way, no permission, a read-only run folder (its logs are opened)
+            if e.filename is None:  # not the run folder's: a tracker's network error, as it is
+                raise
+            raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: {e.strerror}"
+                              + (f" ({e.filename})" if e.filename != self.ckpt_root else "")) from None
         if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
             self._load_data_position(checkpoint)
         try:
