@@ -371,6 +371,8 @@ class Run:
         try:
             self.workers.load(os.path.join(path, "actor"))
         except RuntimeError as e:
+            if e.__cause__ is None:  # a worker died (killed, out of host memory): not the checkpoint's doing
+                raise
             if _refused_here(e):  # the actor refuses another LoRA or optimizer setting: it says why
                 raise CheckpointError(f"could not resume from {path}: {e.__cause__}") from None
             why = (re.findall(r"^\S*(?:Error|Exception): .*", str(e), re.M) or str(e).splitlines())[-1]  # innermost

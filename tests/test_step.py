@@ -243,6 +243,11 @@ def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_ca
         assert text.startswith(f"could not resume from {tmp_path / 'global_step_1'}: ") and "\n" not in text, text
         assert ("find_last_checkpoint=false" in text) == (cause is not refusal), text
         assert text.endswith(str(refusal)) if cause is refusal else f"did not load ({type(cause).__name__}: " in text
+    died = RuntimeError("a worker died during checkpoint load: The actor died unexpectedly (out of memory)")
+    monkeypatch.setattr(test_checkpoint.FakeWorkers, "load", lambda self, path: (_ for _ in ()).throw(died))
+    with pytest.raises(RuntimeError, match="a worker died during checkpoint load") as caught:  # as it is: the
+        test_checkpoint.fake_run(tmp_path, test_checkpoint.make_cfg())  # checkpoint is not said to be damaged
+    assert not isinstance(caught.value, CheckpointError)
 
 
 def test_a_damaged_shard_of_a_complete_looking_checkpoint_is_one_line_naming_it(tmp_path, monkeypatch):
