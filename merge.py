@@ -192,7 +192,7 @@ def write_adapter(model_dir, tensors, lora, out_dir, dtype):
 def check_checkpoint(local_dir):
     model_dir, hf_dir, step = f"{local_dir}/model", f"{local_dir}/huggingface", os.path.dirname(local_dir)
     if not os.path.exists(os.path.join(model_dir, ".metadata")):
-        steps = sorted(glob.glob(f"{local_dir}/global_step_*/actor/model/.metadata"))  # the run folder given
+        steps = sorted(glob.glob(f"{glob.escape(local_dir)}/global_step_*/actor/model/.metadata"))  # the run folder
         hint = next((f" Did you mean --local_dir {d}?" for d in (f"{local_dir}/actor", os.path.dirname(local_dir))
                      if os.path.exists(f"{d}/model/.metadata")), "")  # global_step_N, or actor/huggingface
         if steps and not hint:
