@@ -609,7 +609,7 @@ def load_rows(spec, cfg):
                             "set data.prompt_key / data.answer_key to the right names")
         media = {c for c, f in part.features.items() if isinstance(item := getattr(f, "feature", f), (datasets.Image,
                  datasets.Video)) or isinstance(item, dict) and "bytes" in item}  # an image or video (list) column
-        if media and not media & {cfg.image_key, cfg.video_key}:
+        if media and not {cfg.image_key, cfg.video_key} & {*part.column_names}:  # else they name one, e.g. of paths
             logger.warning(f"{name}: column(s) {sorted(media)} hold images or videos, but data.image_key="
                            f"{cfg.image_key!r} and video_key={cfg.video_key!r} name none of them: rows are text only")
     rows = Rows(spec, [(name, _undecoded(part)) for name, part in parts])

@@ -184,14 +184,15 @@ def test_grounding_tokens_may_be_written_in_a_prompt_chat_and_vision_tokens_not(
 
 def test_images_in_a_column_the_keys_do_not_name_are_said(tmp_path, caplog):
     """A hub dataset's `image` column beside data.image_key=images (the default): the rows were text only, silently
-    (as in EasyR1). Said now, naming the column; not when the keys name an image column (another is then unused by
-    choice)."""
+    (as in EasyR1). Said now, naming the column; not when the keys name a column of the file, images or their paths
+    (another is then unused by choice; paths beside an image column were said to leave the rows text only)."""
     image = {"bytes": png(56, 56), "path": None}
     datasets.Dataset.from_list([{**ROWS[0], "image": image}]).cast_column("image", datasets.Image()).to_parquet(
         tmp_path / "hub.parquet")
     pd.DataFrame([{**ROWS[0], "pics": [image]}]).to_parquet(tmp_path / "raw.parquet")
     pd.DataFrame([{**ROWS[0], "images": [image], "pics": [image]}]).to_parquet(tmp_path / "both.parquet")
-    for name, said in (("hub", "['image']"), ("raw", "['pics']"), ("both", None)):
+    pd.DataFrame([{**ROWS[0], "images": ["a.png"], "pics": [image]}]).to_parquet(tmp_path / "paths.parquet")
+    for name, said in (("hub", "['image']"), ("raw", "['pics']"), ("both", None), ("paths", None)):
         caplog.clear()
         data.load_rows(str(tmp_path / f"{name}.parquet"), config())
         assert [m for m in caplog.messages if "hold images" in m] == ([] if said is None else [
