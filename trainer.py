@@ -559,8 +559,9 @@ def main(argv=None):
         raise SystemExit(130)
     try:
         run.fit()
-    except data.DataError as e:  # a row that went bad after the start-up check: its image removed or changed since
-        print(f"data error at step {run.step} (earlier steps' rows and checkpoints are kept): {e}", file=sys.stderr)
+    except (data.DataError, ConfigError) as e:  # a row gone bad since the start-up check; a score the reward lacks
+        kind = "config" if isinstance(e, ConfigError) else "data"
+        print(f"{kind} error at step {run.step} (earlier steps' rows and checkpoints are kept): {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         saved = os.path.exists(os.path.join(run.ckpt_root, TRACKER))

@@ -316,11 +316,13 @@ def test_a_row_gone_bad_mid_run_is_a_one_line_data_error(tmp_path, monkeypatch, 
     import data
 
     class GoneBad:
+        error = data.DataError("x.jsonl row 23: image 0 of column 'images' is unreadable: FileNotFoundError")
+
         def __init__(self, cfg):
             self.step = 3
 
         def fit(self):
-            raise data.DataError("x.jsonl row 23: image 0 of column 'images' is unreadable: FileNotFoundError")
+            raise self.error
 
         def close(self):
             pass
@@ -329,6 +331,11 @@ def test_a_row_gone_bad_mid_run_is_a_one_line_data_error(tmp_path, monkeypatch, 
     assert trainer.main([]) == 2
     assert capsys.readouterr().err == ("data error at step 3 (earlier steps' rows and checkpoints are kept): x.jsonl "
                                        "row 23: image 0 of column 'images' is unreadable: FileNotFoundError\n")
+    # online filtering on a score the reward does not return: found at step 1's scoring, a traceback before
+    GoneBad.error = ConfigError("algorithm.filter_key='acc': the reward returns ['overall', 'format', 'accuracy']")
+    assert trainer.main([]) == 2
+    assert capsys.readouterr().err.startswith("config error at step 3 (earlier steps' rows and checkpoints are kept): "
+                                              "algorithm.filter_key='acc'")
 
 
 def test_an_interrupt_during_start_up_exits_130_in_one_line(monkeypatch, capsys):
