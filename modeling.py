@@ -496,8 +496,8 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
 @torch.compiler.disable  # a kernel call with Python-side dispatch: a clean break in a compiled decoder layer
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
     """q [T, Hq, D], k / v [T, Hkv, D], sequences at cu_seqlens [n + 1] -> [T, Hq, D]. Backends, logged once: on
-    CUDA in bf16/fp16 flash-attn varlen (installed) or torch varlen_attn; else (fp32: neither takes it) an exact
-    block-diagonal (causal) mask with scaled_dot_product_attention."""
+    CUDA in bf16/fp16 flash-attn varlen (installed) or torch varlen_attn; else (fp32: neither takes it)
+    scaled_dot_product_attention on each sequence: no [T, T] mask, and a NaN in one sequence stays in it."""
     half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if half and (fn := _kernel("flash")) is not None:
         _log_backend("flash-attn flash_attn_varlen_func")
@@ -509,15 +509,12 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale=None):
         if k.shape[1] != q.shape[1] and "enable_gqa" in params:
             kw["enable_gqa"] = True  # torch 2.11 took fewer KV heads without the flag
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
-    _log_backend("block-diagonal mask + scaled_dot_product_attention")
-    seq = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff(),
-                                  output_size=q.shape[0])  # [T]; output_size: no host sync
-    mask = seq[:, None] == seq[None, :]  # [T, T]
-    if causal:
-        mask = mask.tril()
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return out[0].transpose(0, 1)
+    _log_backend("scaled_dot_product_attention, one sequence at a time")
+    bounds = cu_seqlens.tolist()  # [n + 1]
+    return torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                     v[a:b].transpose(0, 1), is_causal=causal, scale=scale,
+                                                     enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
+                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a] or [q[:0]])  # [T, Hq, D]
 
 
 @functools.cache

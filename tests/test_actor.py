@@ -246,7 +246,7 @@ def test_attention_backend_isolates_sequences():
 
 def test_fp32_on_cuda_takes_the_exact_mask_not_a_half_precision_kernel(monkeypatch):
     """flash-attn and torch's varlen_attn take bf16/fp16 only (flash-attn raised on an fp32 run's q, k, v): fp32
-    tensors that report CUDA take the block-diagonal mask; bf16 ones flash-attn when installed, else torch's."""
+    tensors that report CUDA take the per-sequence sdpa; bf16 ones flash-attn when installed, else torch's."""
     class Cuda(torch.Tensor):  # a CPU tensor that says it is on CUDA
         is_cuda = property(lambda self: True)
 

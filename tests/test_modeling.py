@@ -139,7 +139,7 @@ def test_response_log_probs_of_no_tokens_stay_in_the_graph():
 
 
 # ----------------------------------------------------------------------------------------------
-# Packed attention (the block-diagonal sdpa fallback on the CPU)
+# Packed attention (the per-sequence sdpa fallback on the CPU)
 # ----------------------------------------------------------------------------------------------
 
 def _reference_attention(q, k, v, bounds, causal, scale):
@@ -191,6 +191,17 @@ def test_packed_attention_boundaries_causality_and_scale(qkv):
     torch.testing.assert_close(_attend(qkv, non_causal, **packed),
                                _reference_attention(q, k, v, [0, 3, 9], False, default), rtol=1e-5, atol=1e-6)
 
+
+def test_a_nan_in_one_sequence_stays_in_it(qkv):
+    """The fallback attends each sequence alone: a NaN in the first sequence's values (a broken image, an overflow)
+    leaves the second's outputs finite and exact (a block-diagonal mask gave them 0 x NaN = NaN), and an empty
+    sequence between them adds nothing."""
+    q, k, v = (x[0].transpose(0, 1).clone() for x in qkv)
+    v[1, 0, 0] = float("nan")
+    out = modeling.varlen_attention(q, k, v, torch.tensor([0, 3, 3, 9]), 6, True)
+    assert out.shape == q.shape and out[:3].isnan().any() and out[3:].isfinite().all()
+    torch.testing.assert_close(out[3:], _reference_attention(q, k, v, [0, 3, 9], True, 8 ** -0.5)[3:],
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_a_sliding_window_is_refused_only_for_a_longer_sequence(qkv):
