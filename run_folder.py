@@ -61,14 +61,14 @@ class Logger:
         metrics = {k: float(v) for k, v in metrics.items()}
         lines = open(self.jsonl_path).readlines() if amend else []
         rows = [i for i, line in enumerate(lines) if line.endswith("\n") and json.loads(line).get("step") == step]
+        if not rows and lines and not lines[-1].endswith("\n"):  # a killed run's row cut short: not appended to
+            rows, lines[-1] = [len(lines) - 1], json.dumps({"step": step}) + "\n"  # the new row in its place
         if rows:
             lines[rows[-1]] = json.dumps({**json.loads(lines[rows[-1]]), **metrics}) + "\n"
-            self.jsonl.close()
             write_atomic(self.jsonl_path, "".join(lines))
-            self.jsonl = open(self.jsonl_path, "a")
+            self.jsonl = self.jsonl.close() or open(self.jsonl_path, "a")  # appends go to the new file
         else:
-            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.jsonl.flush()
+            print(json.dumps({"step": step, **metrics}), file=self.jsonl, flush=True)
         if "console" in self.names:
             keys = [k for k in ("reward/overall", "val/reward_score", "actor/pg_loss", "actor/entropy",
                                 "response_length/mean", "timing_s/step") if k in metrics]

@@ -117,6 +117,19 @@ def test_a_row_cut_short_is_dropped_by_a_resume_and_skipped_by_an_amend(tmp_path
     assert [json.loads(line) for line in open(log)] == [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 3.0}]
 
 
+def test_an_amend_of_a_step_without_a_row_replaces_a_row_cut_short(tmp_path):
+    """val_only of a step the log has no row of (the base model, another run's checkpoint) after a run killed while
+    writing: the new row takes the cut row's place, not appended inside it (one unreadable line)."""
+    log = tmp_path / "experiment_log.jsonl"
+    log.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a"')
+    logger = run_folder.Logger(str(tmp_path), ["file"], make_cfg())
+    logger.log({"val/x": 0.5}, 0, amend=True)
+    logger.log({"a": 4.0}, 3)
+    logger.close()
+    assert [json.loads(line) for line in open(log)] == [{"step": 1, "a": 1.0}, {"step": 0, "val/x": 0.5},
+                                                        {"step": 3, "a": 4.0}]
+
+
 def test_resuming_the_newest_checkpoint_by_path_warns_of_nothing_later(tmp_path, monkeypatch, capsys):
     """load_checkpoint_path naming the newest of steps 1 and 2: no warning of a later checkpoint; naming step 1:
     the warning names step 2."""
