@@ -56,7 +56,7 @@ def merge_checkpoint(local_dir, output=None, dtype=None, merge_lora=False, force
     lora_path = os.path.join(hf_dir, "adapter_config.json")
     try:  # r and lora_alpha are required: peft would default either to 8, silently another scale
         lora = json.load(open(lora_path)) if os.path.exists(lora_path) else None
-        lora and [lora[key] for key in ("r", "lora_alpha")]  # a KeyError naming the missing one
+        lora is not None and [lora[key] for key in ("r", "lora_alpha")]  # a KeyError naming the missing one ({} too)
     except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
         raise MergeError(f"{lora_path} cannot be read as a LoRA config: {e!r}; copy it again from the run") from None
     if merge_lora and lora is None:

@@ -102,7 +102,8 @@ def test_a_second_merge_into_an_output_being_written_stops_and_touches_nothing(t
 
 
 def test_malformed_adapter_config_is_an_error_naming_the_file_and_key(toy, tmp_path):
-    """Invalid JSON, or no r / lora_alpha (peft would load its default 8 for either: another scale, no error)."""
+    """Invalid JSON, or no r / lora_alpha (peft would load its default 8 for either: another scale, no error), also
+    in an empty {} (falsy: it was not checked, and merged as an adapter without r and lora_alpha)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -114,7 +115,7 @@ def test_malformed_adapter_config_is_an_error_naming_the_file_and_key(toy, tmp_p
     good = json.load(open(path))
     without = {key: json.dumps({k: v for k, v in good.items() if k != key}) for key in ("r", "lora_alpha")}
     for text, error in (('{"r": 4,', "JSONDecodeError"), (without["r"], "'r'"),
-                        (without["lora_alpha"], "'lora_alpha'")):
+                        (without["lora_alpha"], "'lora_alpha'"), ("{}", "'r'")):  # {}: no key either
         path.write_text(text)
         for merge_lora in (False, True):
             with pytest.raises(merge.MergeError, match=rf"{path}.*{error}"):
