@@ -295,8 +295,8 @@ def parse_size(size):
 
 
 def adapter_name(keys):
-    """The one peft adapter name in `...lora_A.<adapter>.weight` keys ("default" for the actor)."""
-    names = {m.group(1) for key in keys if (m := re.search(r"\.lora_A\.([^.]+)\.weight$", key))}
+    """The one peft adapter name in `...lora_A.<adapter>.weight` (`...lora_embedding_A.<adapter>`) keys ("default")."""
+    names = {m.group(1) for key in keys if (m := re.search(r"\.lora_(?:embedding_)?A\.([^.]+)(?:\.weight)?$", key))}
     if len(names) != 1:
         raise MergeError(f"expected the LoRA tensors of one adapter in the checkpoint, found {sorted(names) or 'none'}")
     return names.pop()

@@ -210,6 +210,13 @@ def test_adapter_keys_of_an_embedding_lora_and_its_dtype(toy, tmp_path):
     assert all(written[k].dtype == torch.bfloat16 and torch.equal(written[k], expected[k].bfloat16()) for k in expected)
 
 
+def test_an_embedding_only_lora_gives_its_adapter(toy, tmp_path):
+    """lora.target_modules=embed_tokens alone: peft's lora_embedding_A/B (no ".weight") name the adapter too."""
+    state = lora_text_checkpoint(toy, tmp_path / "actor", targets=("embed_tokens",))
+    written, _ = safetensors_contents(merge.merge_checkpoint(str(tmp_path / "actor")))
+    assert sorted(written) == sorted(k.replace(".default", "") for k in state if ".lora_" in k) != []
+
+
 def test_dtype_names_are_case_insensitive_and_accept_torch_dtypes(toy, tmp_path):
     """--dtype BF16 and dtype=torch.float16 are accepted like bf16 and fp16; fp32 writes float32."""
     model = text_checkpoint(toy, tmp_path / "actor", stored=torch.bfloat16)
