@@ -192,10 +192,10 @@ def write_adapter(model_dir, tensors, lora, out_dir, dtype):
 def check_checkpoint(local_dir):
     model_dir, hf_dir, step = f"{local_dir}/model", f"{local_dir}/huggingface", os.path.dirname(local_dir)
     if not os.path.exists(os.path.join(model_dir, ".metadata")):
-        steps = sorted(glob.glob(f"{glob.escape(local_dir)}/global_step_*/actor/model/.metadata"))  # the run folder
+        steps = sorted(sorted(glob.glob(f"{glob.escape(local_dir)}/global_step_*/actor/model/.metadata")), key=len)
         hint = next((f" Did you mean --local_dir {d}?" for d in (f"{local_dir}/actor", os.path.dirname(local_dir))
                      if os.path.exists(f"{d}/model/.metadata")), "")  # global_step_N, or actor/huggingface
-        if steps and not hint:
+        if steps and not hint:  # a run folder: its checkpoints in step order (9 before 10: by length, then name)
             hint = f" It holds {', '.join(os.path.relpath(p, local_dir)[:-len('/model/.metadata')] for p in steps)}."
         hint = hint if os.path.isdir(local_dir) else " The folder does not exist."
         raise MergeError(f"{local_dir} is not an actor checkpoint: {model_dir}/.metadata (torch.distributed.checkpoint)"

@@ -359,13 +359,13 @@ def test_cast_and_size_units_by_hand():
 
 def test_a_missing_folder_or_a_run_folder_is_said_as_such(tmp_path):
     """A wrong path says the folder does not exist; the run folder lists its checkpoints (only the format was named),
-    its own even where its name holds glob characters (run[2] listed run2's)."""
+    its own even where its name holds glob characters (run[2] listed run2's), in step order (10 came before 2)."""
     with pytest.raises(merge.MergeError, match="does not exist. Pass .*global_step_N/actor. The folder does not exist"):
         merge.merge_checkpoint(str(tmp_path / "nowhere"))
     for step in (2, 10):
         os.makedirs(tmp_path / f"global_step_{step}" / "actor" / "model")
         (tmp_path / f"global_step_{step}" / "actor" / "model" / ".metadata").write_bytes(b"")
-    with pytest.raises(merge.MergeError, match=re.escape("It holds global_step_10/actor, global_step_2/actor.")):
+    with pytest.raises(merge.MergeError, match=re.escape("It holds global_step_2/actor, global_step_10/actor.")):
         merge.merge_checkpoint(str(tmp_path))
     os.makedirs(tmp_path / "run2" / "global_step_1" / "actor" / "model")
     (tmp_path / "run2" / "global_step_1" / "actor" / "model" / ".metadata").write_bytes(b"")
