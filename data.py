@@ -642,7 +642,7 @@ def _read_file(path, text_columns=()):
                 return None
     elif os.path.getsize(path) <= 4096:  # an empty file of any kind, a blank or `[]` json file
         with open(path, "rb") as f:
-            if f.read().strip() in (b"", b"[]"):
+            if b"".join(f.read().split()) in (b"", b"[]"):  # also "[ ]", "[\n]"
                 return None
     try:
         if extension == ".csv":  # prompt and answer as written ("007", "1e3", "NA" stay text); a blank cell: None

@@ -232,3 +232,10 @@ def test_a_missing_files_message_gives_only_the_hints_that_apply(tmp_path, toy, 
     monkeypatch.chdir(data.HERE)
     with pytest.raises(data.DataError, match=rf"\(looked in {re.escape(data.HERE)}\) nor loadable from the hub"):
         data.load_rows("no/such_set@train", config())
+
+
+def test_an_empty_json_list_with_whitespace_inside_has_no_rows(tmp_path):
+    """'[\\n]' or '[ ]' is as empty as '[]': said so, naming the file, not datasets' 'corresponds to no data'."""
+    (tmp_path / "spaced.json").write_text("[\n]\n")
+    with pytest.raises(data.DataError, match=rf"{tmp_path / 'spaced.json'} has no rows$"):
+        data.load_rows(str(tmp_path / "spaced.json"), config())
