@@ -65,8 +65,9 @@ class Logger:
             rows, lines[-1] = [len(lines) - 1], json.dumps({"step": step}) + "\n"  # the new row in its place
         if rows:
             lines[rows[-1]] = json.dumps({**json.loads(lines[rows[-1]]), **metrics}) + "\n"
+            self.jsonl.close()
             write_atomic(self.jsonl_path, "".join(lines))
-            self.jsonl = self.jsonl.close() or open(self.jsonl_path, "a")  # appends go to the new file
+            self.jsonl = open(self.jsonl_path, "a")
         else:
             print(json.dumps({"step": step, **metrics}), file=self.jsonl, flush=True)
         if "console" in self.names:
