@@ -203,7 +203,10 @@ def check_checkpoint(local_dir):
     if re.fullmatch(r"global_step_\d+", os.path.basename(step)) and not os.path.exists(f"{step}/trainer_state.json"):
         raise MergeError(f"{step} has no trainer_state.json (trainer.py writes it last): its save did not finish; "
                          "merge it once the run has saved it, or merge an earlier global_step_N/actor")
-    vl = os.path.exists(f"{hf_dir}/config.json") and "vision_config" in json.load(open(f"{hf_dir}/config.json"))
+    try:
+        vl = os.path.exists(f"{hf_dir}/config.json") and "vision_config" in json.load(open(f"{hf_dir}/config.json"))
+    except ValueError as e:  # cut short: a JSONDecodeError
+        raise MergeError(f"{hf_dir}/config.json cannot be read ({e}); copy it again from the run") from None
     needed = ["config.json", "tokenizer_config.json"] + ["processor_config.json or preprocessor_config.json"] * vl
     if missing := [f for f in needed if not any(os.path.exists(f"{hf_dir}/{name}") for name in f.split(" or "))]:
         raise MergeError(f"{hf_dir} lacks {', '.join(missing)} (save or copy cut short); copy them from the base model")

@@ -38,6 +38,10 @@ def test_unfinished_save_is_an_error_naming_what_is_missing(toy, tmp_path):
     os.remove(vl / "huggingface" / "processor_config.json")
     with pytest.raises(merge.MergeError, match=r"lacks processor_config.json or preprocessor_config.json"):
         merge.merge_checkpoint(str(vl))
+    config = vl / "huggingface" / "config.json"
+    config.write_text(config.read_text()[:100])  # cut short: was json's JSONDecodeError, a traceback
+    with pytest.raises(merge.MergeError, match=rf"{config} cannot be read \(.*\); copy it again"):
+        merge.merge_checkpoint(str(vl))
     assert sorted(os.listdir(actor)) == ["huggingface", "model"] and sorted(os.listdir(vl)) == ["huggingface", "model"]
 
 
