@@ -152,17 +152,16 @@ class Run:
                     try:
                         with timer(metrics, "validation"):
                             metrics.update(self.validate())
-                    except reward.RewardError as error:  # the step has trained: its row, and its checkpoint if due
-                        self.workers.sleep()  # the engine, left awake by the validation, frees the save's memory
+                    except BaseException as error:  # the step has trained: its row, and its checkpoint if due
+                        if isinstance(error, reward.RewardError):  # the workers are sound: the engine, left awake
+                            self.workers.sleep()  # by the validation, frees the save's memory
+                        else:
+                            save = False  # a worker may be gone: no checkpoint
                         self.save_checkpoint(metrics) if save else self.logger.log(metrics, self.step)
+                        if not isinstance(error, RuntimeError):  # a validation row gone bad, Ctrl-C: as it is
+                            raise
                         raise RuntimeError(f"validation at step {self.step} failed (the step is logged"
                                            f"{' and saved' if save else ''}): {error}") from error.__cause__
-                    except BaseException as error:  # a worker, a validation row, Ctrl-C: the trained step's row kept
-                        self.logger.log(metrics, self.step)
-                        if not isinstance(error, RuntimeError):
-                            raise
-                        raise RuntimeError(f"validation at step {self.step} failed (the step is logged): {error}") \
-                            from error.__cause__
                 if save:
                     self.save_checkpoint(metrics)  # logs this step's row before the checkpoint is complete
                 else:
