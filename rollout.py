@@ -44,7 +44,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from modeling import DTYPES, apply_overrides
 
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k")
-MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 # How vLLM gets a video's metadata (its time positions): beside each video, or as the processor's kwargs (README)
 VIDEO_METADATA = {"qwen3_vl": "pair", "qwen3_vl_moe": "pair", "qwen2_5_vl": "kwargs"}
 
