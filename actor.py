@@ -95,6 +95,9 @@ def policy_loss(logp, old_logp, advantages, cu_seqlens, loss_type="default", cli
     if loss_type in CLIP_TYPES and not clip_ratio_dual > 1.0:
         raise ValueError(f"policy_loss: clip_ratio_dual must be > 1 for dual-clip PPO, got {clip_ratio_dual} "
                          "(worker.actor.clip_ratio_dual; EasyR1's default is 3.0)")
+    if loss_type == "sapo" and not (tau_positive > 0 and tau_negative > 0):  # 0: 4 / tau = inf, NaN gradients
+        raise ValueError(f"policy_loss: sapo's tau_positive={tau_positive} and tau_negative={tau_negative} must be > 0 "
+                         "(worker.actor.tau_positive, tau_negative)")
     if tis_cap is not None and not tis_cap > 0:  # a negative weight flips the gradient, 0 stops it
         raise ValueError(f"policy_loss: tis_cap={tis_cap} must be > 0 (worker.actor.tis_cap; null: no TIS)")
     if tis_cap is not None and rollout_logp is None:

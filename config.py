@@ -299,6 +299,9 @@ def check_config(cfg):
                           "rank): out of range")
     if a.clip_ratio_dual <= 1.0:
         raise ConfigError(f"worker.actor.clip_ratio_dual={a.clip_ratio_dual} must be > 1 (dual-clip PPO)")
+    if not (a.tau_positive > 0 and a.tau_negative > 0):  # SAPO's gate (4 / tau) sigma(tau (r - 1)): NaN at 0
+        raise ConfigError(f"worker.actor.tau_positive={a.tau_positive}, tau_negative={a.tau_negative} must be > 0 "
+                          "(SAPO's gate temperatures)")
     if d.rollout_batch_size % a.global_batch_size != 0:
         raise ConfigError(f"data.rollout_batch_size={d.rollout_batch_size} must be a multiple of "
                           f"worker.actor.global_batch_size={a.global_batch_size}")

@@ -133,6 +133,16 @@ def test_dual_clip_must_exceed_one():
     run("sapo", [0.0], [0.0], [1.0], [0, 1], clip_ratio_dual=1.0)  # not used by sapo: no error
 
 
+def test_sapo_temperatures_must_be_positive():
+    """(4 / tau) sigma(tau (r - 1)) at tau = 0 is inf (NaN where A = 0): every gradient NaN, every optimizer step
+    skipped without naming the cause; a negative tau gives the gradient of |tau| under a loss shifted by 4 A / |tau|.
+    Refused as tis_cap <= 0 is; the other loss types ignore the temperatures."""
+    for tau in ({"tau_positive": 0.0}, {"tau_negative": 0.0}, {"tau_negative": -1.05}):
+        with pytest.raises(ValueError, match=r"sapo's tau_positive=.* and tau_negative=.* must be > 0"):
+            run("sapo", [0.0, -1.0], [0.0, -1.2], [1.0, -1.0], [0, 2], **tau)
+    run("default", [0.0], [0.0], [1.0], [0, 1], tau_positive=0.0, tau_negative=0.0)  # not used: no error
+
+
 @pytest.mark.parametrize("loss_type", ["default", "gspo", "gspo_token", "cispo", "sapo"])
 def test_ratio_clamp_keeps_everything_finite(loss_type):
     """log r = +-50, +-1000 would overflow exp in fp32; the clamp at +-20 keeps loss and gradient finite."""
