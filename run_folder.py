@@ -260,11 +260,13 @@ def saved_steps(root):
 
 
 def remove_old_checkpoints(root, step, best_step, limit):
-    """Keep the newest `limit` checkpoints up to `step` (the best by validation counts toward them and is never
-    removed); a later folder, left by a stopped run, is neither counted nor removed (it is replaced when reached)."""
+    """Keep the newest `limit` checkpoints up to `step` (the best by validation counts toward them, if its folder is
+    there, and is never removed); a later folder, left by a stopped run, is neither counted nor removed (it is replaced
+    when reached)."""
     if limit <= 0:
         return
-    steps, keep = [s for s in saved_steps(root) if s <= step], {step, best_step} - {None}
+    steps = [s for s in saved_steps(root) if s <= step]
+    keep = {step} | ({best_step} & set(steps))  # a best rotated away before a resume from an earlier step: not counted
     keep |= set([s for s in reversed(steps) if s not in keep][:max(limit - len(keep), 0)])
     for s in steps:
         if s not in keep:

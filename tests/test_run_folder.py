@@ -299,3 +299,21 @@ def test_a_checkpoint_the_rotation_cannot_remove_is_said_and_the_run_goes_on(tmp
     run_folder.remove_checkpoint(str(tmp_path / "global_step_0"))
     assert capsys.readouterr().out == (f"{tmp_path}/global_step_0: not removed (Cannot call rmtree on a symbolic "
                                        f"link: {tmp_path}/global_step_0); remove by hand\n")
+
+
+def test_a_best_checkpoint_rotated_away_before_a_resume_does_not_count_toward_save_limit(tmp_path):
+    """Scores 0.5, 0.1, 0.9 at steps 1-3 with save_limit 2: step 3 became the best and step 1 was rotated away. A
+    resume from step 2 (load_checkpoint_path) brings back step 2's best, step 1, whose folder is gone: it counted
+    toward save_limit, so step 3's save removed step 2 and left one checkpoint."""
+    run = fake_run(tmp_path, make_cfg(save_limit=2))
+    for step, score in zip(range(1, 4), (0.5, 0.1, 0.9)):
+        run.step = step
+        run.save_checkpoint({"val/reward_score": score})
+    run.logger.close()
+    assert folders(tmp_path) == [2, 3]
+    run = fake_run(tmp_path, make_cfg(save_limit=2, load_checkpoint_path=str(tmp_path / "global_step_2")))
+    assert run.best["best_global_step"] == 1
+    run.step = 3
+    run.save_checkpoint({"val/reward_score": 0.2})
+    run.logger.close()
+    assert folders(tmp_path) == [2, 3]
