@@ -523,9 +523,15 @@ def folders(root):
     return sorted(int(n.split("_")[-1]) for n in os.listdir(root) if n.startswith("global_step_"))
 
 
+def saved_folder(path):
+    """A step folder as rotation sees a finished save: its trainer_state.json, written last."""
+    os.makedirs(path)
+    (path / "trainer_state.json").write_text("{}")
+
+
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     for step in (5, 10, 15, 20, 25, 30):
-        os.makedirs(tmp_path / f"global_step_{step}")
+        saved_folder(tmp_path / f"global_step_{step}")
     run_folder.remove_old_checkpoints(str(tmp_path), 30, 10, 3)  # EasyR1's own case: keeps 10, 25 and 30
     assert folders(tmp_path) == [10, 25, 30]
     run_folder.remove_old_checkpoints(str(tmp_path), 30, None, 2)
@@ -533,7 +539,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     run_folder.remove_old_checkpoints(str(tmp_path), 30, None, -1)  # save_limit <= 0 keeps all
     assert folders(tmp_path) == [25, 30]
     for step in (35, 40):  # 40: a stopped run's later folder, not counted toward the limit and not removed
-        os.makedirs(tmp_path / f"global_step_{step}")
+        saved_folder(tmp_path / f"global_step_{step}")
     run_folder.remove_old_checkpoints(str(tmp_path), 35, None, 2)
     assert folders(tmp_path) == [30, 35, 40]
 
@@ -637,7 +643,7 @@ def test_a_hand_made_zero_padded_step_folder_is_left_alone(tmp_path):
     """global_step_007 is not a folder trainer.py writes (it would be global_step_7): rotation neither counts it
     toward save_limit nor removes it, and it is not a checkpoint to resume from."""
     for name in ("global_step_1", "global_step_2", "global_step_007"):
-        os.makedirs(tmp_path / name)
+        saved_folder(tmp_path / name)
     run_folder.remove_old_checkpoints(str(tmp_path), 9, None, 3)  # step 9 (being saved), 2 and 1: the newest 3
     assert sorted(os.listdir(tmp_path)) == ["global_step_007", "global_step_1", "global_step_2"]
     assert run_folder.saved_steps(str(tmp_path)) == [1, 2]

@@ -13,7 +13,8 @@ from transformers import AutoProcessor, AutoTokenizer
 import actor
 import data
 import run_folder
-from test_checkpoint import fake_run, folders, make_cfg, no_hf_files, save_steps  # noqa: F401 (no_hf_files: a fixture)
+from test_checkpoint import (Kill, fake_run, folders, kill_at, make_cfg, no_hf_files,  # noqa: F401 (a fixture)
+                             run_loop, save_steps)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 
@@ -317,3 +318,19 @@ def test_a_best_checkpoint_rotated_away_before_a_resume_does_not_count_toward_sa
     run.save_checkpoint({"val/reward_score": 0.2})
     run.logger.close()
     assert folders(tmp_path) == [2, 3]
+
+
+def test_an_earlier_incomplete_folder_does_not_count_toward_save_limit(tmp_path, monkeypatch):
+    """Killed while saving step 4, resumed from step 2 with save_freq 3 and save_limit 2: step 4 is passed unsaved,
+    and step 6's rotation counted its incomplete folder as one of the two newest, removing the complete step 3 (one
+    checkpoint left to resume from). Now only finished saves count (save_model_only ones too); the cut one goes."""
+    with monkeypatch.context() as patch:
+        kill_at(patch, "before trainer_state.json", 4)
+        with pytest.raises(Kill):
+            run_loop(tmp_path, run_id=1, save_limit=2)
+    assert folders(tmp_path) == [2, 4]
+    run_loop(tmp_path, run_id=2, save_freq=3, save_limit=2)
+    assert folders(tmp_path) == [3, 6]
+    os.makedirs(tmp_path / "model_only")
+    save_steps(tmp_path / "model_only", [1, 2, 3], save_model_only=True, save_limit=2)  # saved, though not resumable
+    assert folders(tmp_path / "model_only") == [2, 3]
