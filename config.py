@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException
 
 logger = logging.getLogger(__name__)
@@ -395,6 +395,12 @@ def _merge(cfg, layer, source, replace_dicts):
             OmegaConf.update(cfg, key, {}, merge=False)
     try:
         return OmegaConf.merge(cfg, layer)
+    except TypeError:  # a list key given a mapping, a dict key a list: OmegaConf's "incompatible container types"
+        if not (key := next((k for k, hint in KEYS.items() if hint in (list, dict) and isinstance(OmegaConf.select(
+                layer, k, throw_on_resolution_failure=False), ListConfig if hint is dict else DictConfig)), None)):
+            raise
+        value = OmegaConf.to_container(OmegaConf.select(layer, key))
+        raise ConfigError(f"{key}={value!r} ({source}): expected {KEYS[key].__name__}") from None
     except ConfigKeyError as e:  # not a field: name the closest key, or the key of that name in another section
         leaves = {k.split(".")[-1]: k for k in reversed(KEYS)}  # last part -> the first key ending in it
         tried, sub = e.full_key, OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False)

@@ -118,10 +118,23 @@ def test_broken_yaml_and_interpolations_are_config_errors(tmp_path):
     ("worker.actor.optim.lr=abc", "worker.actor.optim.lr='abc' (command line): expected float"),
     ("worker.rollout.n=2.5", "worker.rollout.n=2.5 (command line): expected int"),
     ("algorithm.disable_kl=maybe", "algorithm.disable_kl='maybe' (command line): expected bool"),
+    ("trainer.logger.wandb=true", "trainer.logger={'wandb': True} (command line): expected list"),  # a list key's entry
+    ("worker.actor.optim.betas.0=0.9", "worker.actor.optim.betas={'0': 0.9} (command line): expected list"),
+    ("worker.rollout.val_override_config=[0.6]", "worker.rollout.val_override_config=[0.6] (command line): "
+                                                 "expected dict"),
 ])
 def test_bad_value_type(override, message):
+    """A list key given a mapping or a dict key a list was OmegaConf's TypeError, a traceback naming no key."""
     with pytest.raises(ConfigError, match=re.escape(message) + "$"):
         load_config(None, [override])
+
+
+def test_a_dict_key_written_as_a_list_in_the_file_names_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("worker:\n  reward:\n    reward_function_kwargs:\n      - max_response_length: 16\n")
+    with pytest.raises(ConfigError, match=re.escape(f"worker.reward.reward_function_kwargs=[{{'max_response_length': "
+                                                    f"16}}] ({path}): expected dict")):
+        load_config(str(path))
 
 
 def test_cross_key_checks():
