@@ -198,19 +198,21 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
 
 def set_aside_later(root, path, step, best):
     """A resume from `path` (step `step`): root's complete checkpoints of later steps (they run again) go to
-    earlier_<time>/ and the tracker names `step` (or goes with them: `path` is another run's), so that folders, tracker
-    and logs agree even if this run stops before saving. A later incomplete folder stays until its step is saved."""
+    earlier_<time>/ with a copy of the logs, which hold their rows (the resume cuts those here), and the tracker names
+    `step` (or goes with them: `path` is another run's), so that folders, tracker and logs agree even if this run stops
+    before saving. A later incomplete folder stays until its step is saved."""
     if later := [f"global_step_{s}" for s in saved_steps(root) if s > step
                  and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
         inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
         tracker = [] if inside or not os.path.exists(os.path.join(root, TRACKER)) else [TRACKER]
-        move_aside(root, f"resuming from {path}: the later steps run again", later + tracker)
+        move_aside(root, f"resuming from {path}: the later steps run again", later + tracker, copies=LOG_FILES)
         if inside:
             write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
 
 
-def move_aside(root, why, names=None):
-    """Move root's `names` (default: a run's logs, tracker and checkpoints) to a new root/earlier_<time>/, saying so."""
+def move_aside(root, why, names=None, copies=()):
+    """Move root's `names` (default: a run's logs, tracker and checkpoints) to a new root/earlier_<time>/, with a copy
+    of those of `copies` that are there, saying so."""
     run = (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png", "tensorboard")
     names = [n for n in os.listdir(root) if n in run or STEP_FOLDER.fullmatch(n)] if names is None else names
     if names:
@@ -218,7 +220,11 @@ def move_aside(root, why, names=None):
         os.chmod(aside, 0o755)
         for name in names:
             os.rename(os.path.join(root, name), os.path.join(aside, name))
-        print(f"{why}: {', '.join(names)} moved from {root} to {aside}", flush=True)
+        copied = [name for name in copies if os.path.isfile(os.path.join(root, name))]
+        for name in copied:
+            shutil.copy2(os.path.join(root, name), aside)
+        print(f"{why}: {', '.join(names)} moved from {root} to {aside}"
+              + (f"; a copy of {', '.join(copied)} with them" if copied else ""), flush=True)
 
 
 def checkpoint_problem(path):

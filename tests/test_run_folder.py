@@ -334,3 +334,18 @@ def test_an_earlier_incomplete_folder_does_not_count_toward_save_limit(tmp_path,
     os.makedirs(tmp_path / "model_only")
     save_steps(tmp_path / "model_only", [1, 2, 3], save_model_only=True, save_limit=2)  # saved, though not resumable
     assert folders(tmp_path / "model_only") == [2, 3]
+
+
+def test_the_later_checkpoints_set_aside_keep_their_rows_of_the_log(tmp_path, capsys):
+    """load_checkpoint_path=global_step_2 of a run of 4 steps: checkpoints 3 and 4 moved aside, and the log was cut
+    to step 2, so their rows (rewards, validation scores) were gone from every file. Now the logs as they were go
+    with them, copied."""
+    run_loop(tmp_path, run_id=1, training_steps=4, save_freq=1)
+    run_loop(tmp_path, run_id=2, training_steps=4, save_freq=1, load_checkpoint_path=str(tmp_path / "global_step_2"))
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
+    assert folders(aside) == [3, 4]
+    rows = [json.loads(line) for line in open(aside / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"]) for r in rows] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+    assert f"to {aside}; a copy of experiment_log.jsonl, generations.log with them" in capsys.readouterr().out
