@@ -354,8 +354,9 @@ class Run:
 
     def _resume(self, path):
         """Load the checkpoint folder `path` (checked complete by find_checkpoint), or start fresh when None."""
-        if path is None:
-            return None if self.cfg.trainer.val_only else self.logger.rewind(-1)  # an earlier attempt's rows run again
+        t = self.cfg.trainer
+        if path is None:  # an earlier attempt's rows run again; step 0's (a val_only's) only with val_before_train
+            return None if t.val_only else self.logger.rewind(-1 if t.val_before_train else 0)
         state = json.load(open(os.path.join(path, "trainer_state.json")))
         saved = os.path.join(os.path.dirname(os.path.abspath(path)), "experiment_config.json")
         old = new = {}

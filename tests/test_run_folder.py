@@ -349,3 +349,20 @@ def test_the_later_checkpoints_set_aside_keep_their_rows_of_the_log(tmp_path, ca
     rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
     assert [(r["step"], r["run"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
     assert f"to {aside}; a copy of experiment_log.jsonl, generations.log with them" in capsys.readouterr().out
+
+
+def test_a_fresh_start_without_validation_first_keeps_a_val_only_rows_of_step_0(tmp_path, capsys):
+    """val_only on the base model in a new folder, then training there with val_before_train=false: the fresh start
+    cut the log back to nothing, dropping the base model's validation ("dropped 1 lines of the steps that run again"),
+    though step 0 does not run again. With val_before_train, it does, and its row is written again."""
+    for val_before_train, kept in ((False, [(0, 0.25), (1, None), (2, 0.0)]), (True, [(0, 0.0), (1, None), (2, 0.0)])):
+        root = tmp_path / str(val_before_train)
+        os.makedirs(root)
+        run = fake_run(root, make_cfg(val_only=True))
+        run.validate = lambda: {"val/reward_score": 0.25}
+        run.fit()
+        run.logger.close()
+        run_loop(root, run_id=1, training_steps=2, val_before_train=val_before_train)
+        rows = [json.loads(line) for line in open(root / "experiment_log.jsonl")]
+        assert [(r["step"], r.get("val/reward_score")) for r in rows] == kept
+    assert capsys.readouterr().out.count("dropped 1 lines of the steps that run again") == 1
