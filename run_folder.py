@@ -290,14 +290,14 @@ def remove_checkpoint(path):
              for n in os.listdir(os.path.join(path, d))}
     own = names & {"actor/model", "actor/optim", "actor/extra_state.pt", "actor/huggingface", "dataloader.pt",
                    "trainer_state.json"}
-    if not (kept := sorted(names - own - {"actor"})):
-        try:
+    try:
+        if not (kept := sorted(names - own - {"actor"})):
             return shutil.rmtree(path)
-        except FileNotFoundError:  # not there (a step saved the first time), or removed meanwhile
-            return None
-        except OSError as e:  # immutable or another user's files: left, and said (the run goes on)
-            return print(f"{path}: not removed ({e.strerror or e}: {e.filename or path}); remove by hand", flush=True)
-    if own:  # none: removed, and said, before
-        print(f"{path}: removing the checkpoint but keeping what else is there: {', '.join(kept)}", flush=True)
-    for name in own:
-        (shutil.rmtree if os.path.isdir(os.path.join(path, name)) else os.remove)(os.path.join(path, name))
+        if own:  # none: removed, and said, before
+            print(f"{path}: removing the checkpoint but keeping what else is there: {', '.join(kept)}", flush=True)
+        for name in own:
+            (shutil.rmtree if os.path.isdir(os.path.join(path, name)) else os.remove)(os.path.join(path, name))
+    except FileNotFoundError:  # not there (a step saved the first time), or removed meanwhile
+        return None
+    except OSError as e:  # immutable or another user's files: left, and said (the run goes on)
+        return print(f"{path}: not removed ({e.strerror or e}: {e.filename or path}); remove by hand", flush=True)

@@ -366,3 +366,26 @@ def test_a_fresh_start_without_validation_first_keeps_a_val_only_rows_of_step_0(
         rows = [json.loads(line) for line in open(root / "experiment_log.jsonl")]
         assert [(r["step"], r.get("val/reward_score")) for r in rows] == kept
     assert capsys.readouterr().out.count("dropped 1 lines of the steps that run again") == 1
+
+
+def test_a_checkpoint_beside_merge_outputs_that_the_rotation_cannot_remove_is_said_too(tmp_path, monkeypatch, capsys):
+    """Step 1 holds merge.py's actor/merged, so rotation removes its own files one by one; one it could not remove
+    (immutable) stopped the run with a PermissionError traceback after step 3's checkpoint was complete, where a
+    folder without merge outputs is said and the run goes on."""
+    import errno
+
+    for step in (1, 2, 3):
+        (tmp_path / f"global_step_{step}" / "actor" / "merged").mkdir(parents=True)
+        (tmp_path / f"global_step_{step}" / "trainer_state.json").write_text("{}")
+    remove = os.remove
+
+    def stuck(path, *args, **kwargs):
+        if "global_step_1" in str(path):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return remove(path, *args, **kwargs)
+    monkeypatch.setattr(run_folder.os, "remove", stuck)
+    run_folder.remove_old_checkpoints(str(tmp_path), 3, None, 1)
+    assert (tmp_path / "global_step_1" / "trainer_state.json").exists()
+    assert sorted(os.listdir(tmp_path / "global_step_2")) == ["actor"]  # its own file gone, actor/merged kept
+    assert (f"{tmp_path}/global_step_1: not removed (Operation not permitted: {tmp_path}/global_step_1/trainer_state"
+            ".json); remove by hand") in capsys.readouterr().out
