@@ -169,10 +169,10 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
                   f"moved aside, log rows cut); unset trainer.load_checkpoint_path to resume from it", flush=True)
         return load_path
     tracker, steps, problems = os.path.join(root, TRACKER), saved_steps(root)[::-1], []
+    if not find_last:  # a fresh start: the earlier run's files go aside (none cut, overwritten or rotated away)
+        return None if val_only else move_aside(root, "trainer.find_last_checkpoint=false")  # with or without steps
     if not steps and not os.path.exists(tracker):
         return None
-    if not find_last:  # a fresh start: the earlier run's files go aside (none cut, overwritten or rotated away)
-        return None if val_only else move_aside(root, "trainer.find_last_checkpoint=false")
     last, problem = _load("", tracker, lambda p: int(json.load(open(p))["last_global_step"]))
     if problem:  # unreadable, or missing: folders copied here, or a first save stopped before the tracker
         print(f"{problem}; looking for the newest complete checkpoint in {root}", flush=True)

@@ -389,3 +389,19 @@ def test_a_checkpoint_beside_merge_outputs_that_the_rotation_cannot_remove_is_sa
     assert sorted(os.listdir(tmp_path / "global_step_2")) == ["actor"]  # its own file gone, actor/merged kept
     assert (f"{tmp_path}/global_step_1: not removed (Operation not permitted: {tmp_path}/global_step_1/trainer_state"
             ".json); remove by hand") in capsys.readouterr().out
+
+
+def test_a_fresh_start_moves_an_earlier_runs_logs_aside_though_it_saved_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """find_last_checkpoint=false where an earlier run stopped before its first checkpoint: its rows were cut to
+    nothing ("dropped 3 lines of the steps that run again"), not moved aside as where it had saved one."""
+    with monkeypatch.context() as patch:
+        kill_at(patch, "after the row", 3)
+        with pytest.raises(Kill):
+            run_loop(tmp_path, run_id=1, save_freq=5)
+    old_rows = (tmp_path / "experiment_log.jsonl").read_text()
+    assert old_rows.count('"step"') == 3 and not folders(tmp_path)
+    run_loop(tmp_path, run_id=2, training_steps=1, find_last_checkpoint=False)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
+    assert (aside / "experiment_log.jsonl").read_text() == old_rows
+    assert [json.loads(line)["run"] for line in open(tmp_path / "experiment_log.jsonl")] == [2]
+    assert "dropped" not in capsys.readouterr().out
