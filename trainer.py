@@ -110,8 +110,8 @@ class Run:
                 raise
             raise ConfigError(f"trainer.save_checkpoint_path={self.ckpt_root}: {e.strerror}"
                               + (f" ({e.filename})" if e.filename != self.ckpt_root else "")) from None
-        if checkpoint:  # before Ray starts: another batch size, seed or data is an error in seconds, not minutes
-            self._load_data_position(checkpoint)
+        if checkpoint and not t.val_only:  # before Ray starts: another batch size, seed or data is an error in
+            self._load_data_position(checkpoint)  # seconds, not minutes (val_only trains nothing: no position read)
         try:
             self.workers = WorkerGroup(cfg, self.training_steps)
         except RuntimeError as e:  # the actor refuses the model as configured (LoRA, a window): its message alone

@@ -8,11 +8,14 @@ import json
 import os
 
 import pytest
+import torch
 from transformers import AutoProcessor, AutoTokenizer
 
 import actor
 import data
 import run_folder
+import trainer
+from config import load_config
 from test_checkpoint import (Kill, fake_run, folders, kill_at, make_cfg, no_hf_files,  # noqa: F401 (a fixture)
                              run_loop, save_steps)
 
@@ -405,3 +408,25 @@ def test_a_fresh_start_moves_an_earlier_runs_logs_aside_though_it_saved_no_check
     assert (aside / "experiment_log.jsonl").read_text() == old_rows
     assert [json.loads(line)["run"] for line in open(tmp_path / "experiment_log.jsonl")] == [2]
     assert "dropped" not in capsys.readouterr().out
+
+
+def test_validating_a_checkpoint_under_another_data_config_reads_no_loader_position(tmp_path, toy, monkeypatch):
+    """val_only trains nothing, yet the train loader's saved position was loaded: a checkpoint saved with another
+    data.rollout_batch_size was refused ("cannot resume ...: the loader state was saved with batch_size=8")."""
+    save_steps(tmp_path, [1])
+    torch.save({"epoch": 0, "batch": 1, "batch_size": 8}, tmp_path / "global_step_1" / "dataloader.pt")
+
+    class Started(Exception):
+        pass
+
+    def workers(*args):
+        raise Started
+    monkeypatch.setattr(trainer, "WorkerGroup", workers)
+    cfg = load_config(None, [f"data.train_files={toy['colors']}@train", f"data.val_files={toy['colors']}@test",
+                             f"worker.actor.model.model_path={toy['vl_model']}", "trainer.logger=[file]",
+                             f"trainer.save_checkpoint_path={tmp_path}", "trainer.val_only=true"])
+    with pytest.raises(Started):  # on to the workers, which validate the checkpoint
+        trainer.Run(cfg)
+    cfg.trainer.val_only = False
+    with pytest.raises(run_folder.CheckpointError, match="saved with batch_size=8, now it is 512"):  # a resume: refused
+        trainer.Run(cfg)
