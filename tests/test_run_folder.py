@@ -430,3 +430,25 @@ def test_validating_a_checkpoint_under_another_data_config_reads_no_loader_posit
     cfg.trainer.val_only = False
     with pytest.raises(run_folder.CheckpointError, match="saved with batch_size=8, now it is 512"):  # a resume: refused
         trainer.Run(cfg)
+
+
+def test_validating_another_folders_checkpoint_does_not_write_into_this_runs_row(tmp_path):
+    """val_only with load_checkpoint_path=b/global_step_2 and save_checkpoint_path=a (run a's folder, as when both
+    runs share a config): run a's row of step 2 took b's val/reward_score beside a's own training metrics, and a's
+    own score was gone. Now refused, naming the row; into a new folder it validates."""
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / name)
+        run_loop(tmp_path / name, run_id=1, training_steps=2, save_freq=1)
+    before = (tmp_path / "a" / "experiment_log.jsonl").read_text()
+    cfg = make_cfg(val_only=True, load_checkpoint_path=str(tmp_path / "b" / "global_step_2"))
+    with pytest.raises(run_folder.CheckpointError, match=f"into the row of step 2 in {tmp_path / 'a'}/experiment_log"):
+        fake_run(tmp_path / "a", cfg, 2)
+    assert (tmp_path / "a" / "experiment_log.jsonl").read_text() == before
+    os.makedirs(tmp_path / "c")
+    for _ in range(2):  # the same validation run again there: its own row, amended
+        run = fake_run(tmp_path / "c", cfg, 2)
+        run.validate = lambda: {"val/reward_score": 0.75}
+        run.fit()
+        run.logger.close()
+    assert [json.loads(line) for line in open(tmp_path / "c" / "experiment_log.jsonl")] == [
+        {"step": 2, "val/reward_score": 0.75}]
