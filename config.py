@@ -239,6 +239,9 @@ def load_config(path=None, overrides=()):
                 tree = OmegaConf.load(path := _config_file(path))
             except OSError as e:  # no permission; a file of one value (OmegaConf: "Invalid loaded object type: int")
                 raise ConfigError(f"{path}: {e.strerror or e}; expected a mapping of sections at the top") from None
+            except UnicodeDecodeError as e:  # saved as UTF-16, or no text file at all (a .parquet given as --config)
+                raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); expected a YAML file") \
+                    from None
             if not isinstance(tree, DictConfig):
                 raise ConfigError(f"{path}: expected a mapping of sections at the top level, got a list")
             cfg = _merge(cfg, tree, path, replace_dicts=True)

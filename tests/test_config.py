@@ -100,7 +100,8 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
 
 def test_broken_yaml_and_interpolations_are_config_errors(tmp_path):
     """A YAML syntax error names the file and line; a `${` that is no interpolation, in the file or on the command
-    line, names the key and how to write it literally (both were raw tracebacks from OmegaConf)."""
+    line, names the key and how to write it literally (both were raw tracebacks from OmegaConf); so does a file that
+    is not UTF-8 (a UnicodeDecodeError traceback)."""
     broken = tmp_path / "broken.yaml"
     broken.write_text("data:\n  system_prompt: [a\n  seed: 1\n")
     with pytest.raises(ConfigError, match=r"(?s)broken\.yaml is not valid YAML: .*line 2"):
@@ -112,6 +113,10 @@ def test_broken_yaml_and_interpolations_are_config_errors(tmp_path):
                            re.escape("(a literal ${ is written \\${)")):
             load_config(path, overrides)
     assert load_config(None, ["data.system_prompt=costs \\${5"]).data.system_prompt == "costs ${5"
+    utf16 = tmp_path / "utf16.yaml"  # an editor's UTF-16, or a data file given as --config: a UnicodeDecodeError
+    utf16.write_bytes("trainer:\n  max_steps: 3\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=re.escape(f"{utf16} is not UTF-8 text (invalid start byte at byte 0)")):
+        load_config(str(utf16))
 
 
 @pytest.mark.parametrize("override, message", [
