@@ -240,6 +240,10 @@ def checkpoint_problem(path):
     dataloader.pt and actor/extra_state.pt load; actor/model and actor/optim hold every shard their .metadata names."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    actor = os.path.join(path, "actor")  # EasyR1's run folder is this one's by default (project and experiment names)
+    if os.path.isdir(actor) and any(re.fullmatch(r"model_world_size_\d+_rank_\d+\.pt", n) for n in os.listdir(actor)):
+        return ("an EasyR1 checkpoint (actor/model_world_size_*_rank_*.pt), which this trainer does not resume: merge "
+                "it with EasyR1's scripts/model_merger.py and set worker.actor.model.model_path to the merged model")
     state, problem = _load(path, "trainer_state.json", lambda p: json.load(open(p)))
     if problem or not isinstance(state, dict) or not {"global_step", "kl_coef"} <= state.keys():
         return problem or "trainer_state.json lacks global_step or kl_coef"

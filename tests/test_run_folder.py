@@ -6,6 +6,7 @@ and fake workers, is in tests/test_checkpoint.py.)"""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -452,3 +453,19 @@ def test_validating_another_folders_checkpoint_does_not_write_into_this_runs_row
         run.logger.close()
     assert [json.loads(line) for line in open(tmp_path / "c" / "experiment_log.jsonl")] == [
         {"step": 2, "val/reward_score": 0.75}]
+
+
+def test_an_easyr1_run_folder_is_named_as_such_not_as_missing_files(tmp_path):
+    """EasyR1's checkpoints sit in the same default folder (checkpoints/<project>/<experiment>), with its tracker: a
+    run of the same config stopped with "global_step_5: trainer_state.json is missing. Restore the missing files",
+    though nothing was missing. Now the checkpoint is named an EasyR1 one, and what to do."""
+    (tmp_path / "global_step_5" / "actor").mkdir(parents=True)
+    for name in ("model", "optim", "extra_state"):
+        (tmp_path / "global_step_5" / "actor" / f"{name}_world_size_8_rank_0.pt").write_bytes(b"")
+    (tmp_path / "global_step_5" / "dataloader.pt").write_bytes(b"")
+    (tmp_path / run_folder.TRACKER).write_text(json.dumps({"last_global_step": 5, "last_actor_path": "x"}))
+    easyr1 = "global_step_5: an EasyR1 checkpoint (actor/model_world_size_*_rank_*.pt), which this trainer does not"
+    with pytest.raises(run_folder.CheckpointError, match=re.escape(easyr1)):
+        run_folder.find_checkpoint(str(tmp_path), None, True)
+    with pytest.raises(run_folder.CheckpointError, match="scripts/model_merger.py"):
+        run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_5"), True)
