@@ -399,11 +399,13 @@ def _merge(cfg, layer, source, replace_dicts):
     try:
         return OmegaConf.merge(cfg, layer)
     except TypeError:  # a list key given a mapping, a dict key a list: OmegaConf's "incompatible container types"
-        if not (key := next((k for k, hint in KEYS.items() if hint in (list, dict) and isinstance(OmegaConf.select(
-                layer, k, throw_on_resolution_failure=False), ListConfig if hint is dict else DictConfig)), None)):
+        wrong = {list: DictConfig, dict: ListConfig}  # the container each kind of key cannot take
+        bad = [k for k, hint in KEYS.items()
+               if isinstance(OmegaConf.select(layer, k, throw_on_resolution_failure=False), wrong.get(hint, ()))]
+        if not bad:
             raise
-        value = OmegaConf.to_container(OmegaConf.select(layer, key))
-        raise ConfigError(f"{key}={value!r} ({source}): expected {KEYS[key].__name__}") from None
+        value = OmegaConf.to_container(OmegaConf.select(layer, bad[0]))
+        raise ConfigError(f"{bad[0]}={value!r} ({source}): expected {KEYS[bad[0]].__name__}") from None
     except ConfigKeyError as e:  # not a field: name the closest key, or the key of that name in another section
         leaves = {k.split(".")[-1]: k for k in reversed(KEYS)}  # last part -> the first key ending in it
         tried, sub = e.full_key, OmegaConf.select(layer, e.full_key, throw_on_resolution_failure=False)

@@ -4,7 +4,6 @@ find_checkpoint picks the complete global_step_N folder a run resumes from; set_
 move or remove others. Run.save_checkpoint (trainer.py) writes the checkpoints, checkpoint_tracker.json last."""
 
 import functools
-import itertools
 import json
 import os
 import re
@@ -287,9 +286,9 @@ def remove_old_checkpoints(root, step, best_step, limit):
         return
     steps = [s for s in saved_steps(root) if s <= step]
     keep = {step} | ({best_step} & set(steps))  # a best rotated away before a resume from an earlier step: not counted
-    complete = (s for s in reversed(steps) if s not in keep  # trainer_state.json: a save's last file in its folder
-                and os.path.isfile(os.path.join(root, f"global_step_{s}", "trainer_state.json")))
-    keep |= set(itertools.islice(complete, max(limit - len(keep), 0)))
+    complete = [s for s in reversed(steps) if s not in keep  # trainer_state.json: a save's last file in its folder
+                and os.path.isfile(os.path.join(root, f"global_step_{s}", "trainer_state.json"))]
+    keep |= set(complete[:max(limit - len(keep), 0)])
     for s in steps:
         if s not in keep:
             remove_checkpoint(os.path.join(root, f"global_step_{s}"))
