@@ -284,8 +284,9 @@ def test_packed_log_probs_and_grads_equal_per_sequence_vl_mixed(vl):
 def test_packed_vl_pass_on_the_gpu_equals_the_cpu(vl, tmp_path):
     """The GPU path, FSDP2 on a one-rank group as the trainer runs it (pinned asynchronous copies, the grids on the
     host, modeling.vision_indices), gives the CPU's log-probs (fp32 both) and finite gradients through the vision
-    tower; and its forward waits for the GPU (a host sync) only in transformers' own placeholder check, not while
-    packing, not in FSDP2's move of the inputs, not for the tower's index tensors."""
+    tower; and its forward waits for the GPU (a host sync) only in transformers' own placeholder check and in fp32's
+    attention fallback (which reads each layer's sequence bounds: no varlen kernel takes fp32), not while packing,
+    not in FSDP2's move of the inputs, not for the tower's index tensors."""
     import torch.distributed as dist
     import warnings
 
@@ -314,8 +315,8 @@ def test_packed_vl_pass_on_the_gpu_equals_the_cpu(vl, tmp_path):
                     on_gpu._forward(on_gpu._pack(samples, [0, 1, 2]), False, modalities)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        unexpected = [stack[-6:] for stack in syncs
-                      if stack and "get_placeholder_mask" not in stack and "set_sync_debug_mode" not in stack]
+        unexpected = [stack[-6:] for stack in syncs if stack and "get_placeholder_mask" not in stack
+                      and "set_sync_debug_mode" not in stack and "varlen_attention" not in stack[-3:]]
         assert not unexpected, f"host syncs in the packed forward: {unexpected}"
     finally:
         dist.destroy_process_group()
