@@ -206,15 +206,21 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
 def set_aside_later(root, path, step, best):
     """A resume from `path` (step `step`): root's complete checkpoints of later steps (they run again) go to
     earlier_<time>/ with a copy of the logs, which hold their rows (the resume cuts those here), and the tracker names
-    `step` (or goes with them: `path` is another run's), so that folders, tracker and logs agree even if this run stops
-    before saving. A later incomplete folder stays until its step is saved."""
-    if later := [f"global_step_{s}" for s in saved_steps(root) if s > step
-                 and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
-        inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
-        tracker = [] if inside or not os.path.exists(os.path.join(root, TRACKER)) else [TRACKER]
-        move_aside(root, f"resuming from {path}: the later steps run again", later + tracker, copies=LOG_FILES)
-        if inside:
-            write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
+    `step`, so that folders, tracker and logs agree even if this run stops before saving (a later incomplete folder
+    stays until its step is saved). `path` another folder's: root's run is another's (or an earlier attempt's), so
+    all its checkpoints and its tracker go aside, not left for rotation to remove. -> the last step whose log rows
+    stay here (-1: all are cut)."""
+    inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
+    moved = [f"global_step_{s}" for s in saved_steps(root)
+             if not inside or s > step and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]
+    if not inside and os.path.exists(os.path.join(root, TRACKER)):
+        moved.append(TRACKER)
+    if moved:
+        why = "the later steps run again" if inside else "another folder's checkpoint: this folder's run goes aside"
+        move_aside(root, f"resuming from {path}: {why}", moved, copies=LOG_FILES)
+    if inside and moved:
+        write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
+    return step if inside else -1
 
 
 def move_aside(root, why, names=None, copies=()):

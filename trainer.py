@@ -387,8 +387,8 @@ class Run:
         self.best = {k: state.get(k) for k in self.best}
         self.step = int(state["global_step"])
         if not self.cfg.trainer.val_only:  # the later steps run again (val_only: nothing does, its row is amended)
-            set_aside_later(self.ckpt_root, path, self.step, self.best)
-            self.logger.rewind(self.step, self.step - 1 if self.cfg.trainer.val_before_train else None)
+            kept = set_aside_later(self.ckpt_root, path, self.step, self.best)  # -1: another folder's checkpoint
+            self.logger.rewind(kept, kept - 1 if self.cfg.trainer.val_before_train else None)
         print(f"resumed from {path} (step {self.step})", flush=True)
 
     def close(self):

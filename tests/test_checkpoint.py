@@ -418,6 +418,25 @@ def test_a_run_resumed_from_another_runs_checkpoint_and_run_again_logs_each_step
                                           f"later than trainer.load_checkpoint_path={tmp_path / 'a'}" in out, out
 
 
+def test_a_resume_from_another_folders_checkpoint_sets_this_folders_whole_run_aside(tmp_path, capsys):
+    """load_checkpoint_path=a/global_step_4 into b, which holds its own run of steps 1 and 2: b's checkpoints, tracker
+    and log rows (another run's) stayed, the rows under the resumed run's, the folders for rotation to remove and the
+    tracker naming b's step 2 for a plain resume. Now all go aside together, the logs as a copy, and b's log holds the
+    resumed run's rows alone."""
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    save_steps(tmp_path / "a", [4])
+    run_loop(tmp_path / "b", run_id=1, training_steps=2, save_freq=1)
+    run_loop(tmp_path / "b", run_id=2, training_steps=6, save_freq=1, save_limit=2,
+             load_checkpoint_path=str(tmp_path / "a" / "global_step_4"))
+    assert "another folder's checkpoint: this folder's run goes aside" in capsys.readouterr().out
+    (aside,) = [p for p in (tmp_path / "b").iterdir() if p.name.startswith("earlier_")]
+    assert folders(aside) == [1, 2] and json.load(open(aside / run_folder.TRACKER))["last_global_step"] == 2
+    assert [json.loads(line)["run"] for line in open(aside / "experiment_log.jsonl")] == [1, 1]
+    rows = [json.loads(line) for line in open(tmp_path / "b" / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"]) for r in rows] == [(5, 2), (6, 2)] and folders(tmp_path / "b") == [5, 6]
+
+
 def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_so_a_plain_resume_agrees(tmp_path, capsys):
     """load_checkpoint_path=global_step_1 with steps 2, 3 saved, stopped before its next save: the logs were cut to step
     1, but the tracker still said 3, so a plain resume went on from 3 without rows 2 and 3. Now 2 and 3 move aside."""
@@ -563,7 +582,7 @@ def test_save_limit_and_the_best_validation_score_across_a_resume(tmp_path):
     assert folders(tmp_path) == [2, 5]
 
 
-# --- B7: checkpoint files load as data (weights_only), Ray listens on the loopback only ---------------------
+# --- B7: checkpoint files load as data (weights_only) ------------------------------------------------------
 
 class Payload:
     """Unpickled, it creates a file: code that a checkpoint file must not be able to run."""
@@ -595,29 +614,6 @@ def test_extra_state_and_dataloader_state_load_as_data_only(tmp_path):
         run._load_data_position(str(step))
     assert not marker.exists()
     assert "dataloader.pt cannot be read (UnpicklingError" in run_folder.checkpoint_problem(str(step))
-
-
-def test_a_local_ray_listens_on_the_loopback_only(tmp_path):
-    """Every TCP socket that Ray's processes (GCS, raylet, workers, an actor) listen on is bound to 127.0.0.1."""
-    import subprocess
-    import sys
-
-    script = (
-        "import json, psutil, ray, workers\n"
-        "workers._start_local_ray(num_cpus=1, include_dashboard=False)\n"
-        "Echo = ray.remote(type('Echo', (), {'ip': lambda self: ray.util.get_node_ip_address()}))\n"
-        "ip = ray.get(Echo.remote().ip.remote())\n"
-        "me = psutil.Process()\n"
-        "bound = [c.laddr.ip for p in [me] + me.children(recursive=True) for c in p.net_connections('tcp')\n"
-        "         if c.status == psutil.CONN_LISTEN]\n"
-        "print(json.dumps({'ip': ip, 'bound': bound}))\n"
-        "ray.shutdown()\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=trainer.HERE, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "RAY_ADDRESS": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["ip"] == "127.0.0.1"  # what the workers hand to torch.distributed as MASTER_ADDR
-    assert len(out["bound"]) >= 3 and set(out["bound"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, out["bound"]
 
 
 def test_the_command_line_says_a_checkpoint_error_in_one_line(tmp_path, capsys):

@@ -3,6 +3,10 @@ a prompt's responses kept together), results joined back in order, update metric
 a Worker's setup hands its Actor."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -99,9 +103,6 @@ def test_more_workers_than_gpus_is_a_config_error_not_a_wait(monkeypatch):
 def test_the_projects_info_messages_are_shown_and_other_libraries_stay_quiet():
     """The attention backend, the rows a filter dropped and other info messages were never shown: nothing set up
     logging, so Python printed warnings only. The README promises the backend's line."""
-    import subprocess
-    import sys
-
     code = ("import logging, workers, modeling; workers.show_logs(); modeling._log_backend('sdpa'); "
             "logging.getLogger('some_library').info('chatter'); logging.getLogger('data').warning('a warning')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=workers.HERE, timeout=120)
@@ -233,3 +234,23 @@ def test_a_tensor_sent_to_a_worker_arrives_whole_writable_and_alone(monkeypatch)
         assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
         back.logical_not_() if back.dtype == torch.bool else back.add_(1)
     assert all(torch.equal(t, k) for t, k in zip(sent, kept))
+
+
+def test_a_local_ray_listens_on_the_loopback_only(tmp_path):
+    """Every TCP socket that Ray's processes (GCS, raylet, workers, an actor) listen on is bound to 127.0.0.1."""
+    script = (
+        "import json, psutil, ray, workers\n"
+        "workers._start_local_ray(num_cpus=1, include_dashboard=False)\n"
+        "Echo = ray.remote(type('Echo', (), {'ip': lambda self: ray.util.get_node_ip_address()}))\n"
+        "ip = ray.get(Echo.remote().ip.remote())\n"
+        "me = psutil.Process()\n"
+        "bound = [c.laddr.ip for p in [me] + me.children(recursive=True) for c in p.net_connections('tcp')\n"
+        "         if c.status == psutil.CONN_LISTEN]\n"
+        "print(json.dumps({'ip': ip, 'bound': bound}))\n"
+        "ray.shutdown()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=workers.HERE, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ip"] == "127.0.0.1"  # what the workers hand to torch.distributed as MASTER_ADDR
+    assert len(out["bound"]) >= 3 and set(out["bound"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, out["bound"]
