@@ -120,8 +120,8 @@ class Run:
             raise ConfigError(str(e.__cause__)) from None
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
-        if not t.val_only:  # once the resume is through: a refused one leaves the config that trained
-            config = json.dumps(config_to_dict(cfg), indent=2)
+        if not t.val_only and checkpoint is None:  # a resume's settings: with its first checkpoint (save_checkpoint),
+            config = json.dumps(config_to_dict(cfg), indent=2)  # so a resume stopped before it leaves those that trained
             write_atomic(os.path.join(self.ckpt_root, "experiment_config.json"), config)
         self.train_iter = iter(self.train_loader)
 
@@ -330,6 +330,8 @@ class Run:
             state = {"global_step": self.step, "kl_coef": self.kl_ctrl.value, "kl_type": self.cfg.algorithm.kl_type,
                      "resumable": not t.save_model_only, **self.best}
             write_atomic(os.path.join(path, "trainer_state.json"), json.dumps(state, indent=2))
+            config = json.dumps(config_to_dict(self.cfg), indent=2)  # the settings that trained this checkpoint
+            write_atomic(os.path.join(self.ckpt_root, "experiment_config.json"), config)
             tracker = json.dumps({"last_global_step": self.step, **self.best})
             write_atomic(os.path.join(self.ckpt_root, TRACKER), tracker)  # the checkpoint counts from here
         except (RuntimeError, OSError) as e:  # a full disk (torch.save's "unexpected pos", a log row, the tracker)
@@ -364,7 +366,7 @@ class Run:
             if os.path.exists(saved):
                 old, new = (pandas.json_normalize(tree).to_dict("records")[0]  # {"a.b": 1}
                             for tree in (json.load(open(saved)), json.loads(json.dumps(config_to_dict(self.cfg)))))
-        except Exception as e:  # cut short or edited by hand: written again once the resume is through
+        except Exception as e:  # cut short or edited by hand: written again with the next checkpoint
             print(f"{saved} cannot be read ({type(e).__name__}: {e}): the settings are not compared", flush=True)
         if changed := [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old | new) if old.get(k) != new.get(k)]:
             print(f"resuming {path} under other settings than {saved}'s: {'; '.join(changed)}", flush=True)

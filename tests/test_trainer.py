@@ -1,5 +1,6 @@
 """End-to-end tests of the loop on the toy world (CPU workers, gloo). Marked slow; all run in CI."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -389,6 +390,27 @@ def test_a_resume_under_other_settings_names_them(tmp_path, capsys, monkeypatch)
     (tmp_path / "experiment_config.json").write_text('{"data": {"train_')  # cut short: said, the resume goes on
     assert fake_run(tmp_path, cfg).step == 1  # (probe AI: a JSONDecodeError traceback once the workers had loaded)
     assert f"{tmp_path}/experiment_config.json cannot be read (JSONDecodeError: " in capsys.readouterr().out
+
+
+def test_a_resume_stopped_before_its_first_checkpoint_leaves_the_settings_that_trained(tmp_path, toy, monkeypatch,
+                                                                                         capsys):
+    """A resume under another learning rate, stopped before it saved, rewrote experiment_config.json at its start:
+    the next resume, under the settings that trained the checkpoint, was told 'lr: 3e-06 -> 0.001' (and another try
+    at 3e-6 nothing). The file is now written at a fresh start and with each checkpoint."""
+    from test_checkpoint import FakeWorkers
+
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *args: FakeWorkers())
+    monkeypatch.setattr(trainer.actor, "save_hf_files", lambda *args, **kwargs: None)  # no model to copy from
+    toy_config = functools.partial(load_config, os.path.join(ROOT, "configs", "toy.yaml"))
+    run = trainer.Run(toy_config(toy_overrides(tmp_path, toy)))
+    run.step = 1
+    run.save_checkpoint({})  # as fit saves a step
+    run.logger.close()
+    trainer.Run(toy_config(toy_overrides(tmp_path, toy, "worker.actor.optim.lr=3e-6"))).logger.close()
+    assert "worker.actor.optim.lr: 0.001 -> 3e-06" in capsys.readouterr().out
+    trainer.Run(toy_config(toy_overrides(tmp_path, toy))).logger.close()  # as the checkpoint was trained
+    assert "other settings" not in capsys.readouterr().out
+    assert json.load(open(tmp_path / "experiment_config.json"))["worker"]["actor"]["optim"]["lr"] == 1e-3
 
 
 def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
