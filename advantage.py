@@ -257,7 +257,7 @@ def group_reduce(x, g, n_groups, reduce="sum"):
 
 
 def whiten(v, eps):
-    """(v - mean(v)) / sqrt(var(v) + eps) in float32 (unbiased var); exactly 0 when v has no spread."""
+    """(v - mean(v)) / sqrt(var(v) + eps) (unbiased var), computed in float64, as float32; exactly 0 without spread."""
     if len(v) < 2 or v.max() - v.min() <= FLAT:
         return torch.zeros(len(v))
     return ((v - v.mean()) / torch.sqrt(v.var() + eps)).float()
