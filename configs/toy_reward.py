@@ -3,7 +3,7 @@
     worker.reward.reward_function: configs/toy_reward.py:compute_score
 
 format   = 1 if the response is exactly <answer>...</answer> (nothing before or after; EOS is not part of the
-           decoded response), else 0
+           decoded response), else 0; a tag repeated inside (<answer>red</answer></answer>) still matches (README)
 accuracy = 1 if the content of the first <answer>...</answer> (the whole response when there is none), stripped,
            equals the ground truth, else 0
 overall  = (1 - format_weight) * accuracy + format_weight * format
