@@ -218,8 +218,8 @@ def set_aside_later(root, path, step, best):
     if moved:
         why = "the later steps run again" if inside else "another folder's checkpoint: this folder's run goes aside"
         move_aside(root, f"resuming from {path}: {why}", moved, copies=LOG_FILES)
-    if inside and moved:
-        write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
+        if inside:
+            write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
     return step if inside else -1
 
 
