@@ -205,7 +205,8 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
 
 def set_aside_later(root, path, step, best):
     """A resume from `path` (step `step`): root's complete checkpoints of later steps (they run again) go to
-    earlier_<time>/ with a copy of the logs, which hold their rows (the resume cuts those here), and the tracker names
+    earlier_<time>/ with a copy of the logs, which hold their rows (the resume cuts those here), and of the settings
+    that trained them (the resume's first save writes its own into experiment_config.json), and the tracker names
     `step`, so that folders, tracker and logs agree even if this run stops before saving (a later incomplete folder
     stays until its step is saved). `path` another folder's: root's run is another's (or an earlier attempt's), so
     all its checkpoints and its tracker go aside, not left for rotation to remove. -> the last step whose log rows
@@ -217,7 +218,7 @@ def set_aside_later(root, path, step, best):
         moved.append(TRACKER)
     if moved:
         why = "the later steps run again" if inside else "another folder's checkpoint: this folder's run goes aside"
-        move_aside(root, f"resuming from {path}: {why}", moved, copies=LOG_FILES)
+        move_aside(root, f"resuming from {path}: {why}", moved, copies=(*LOG_FILES, "experiment_config.json"))
         if inside:
             write_atomic(os.path.join(root, TRACKER), json.dumps({"last_global_step": step, **best}))
     return step if inside else -1

@@ -352,7 +352,8 @@ def test_the_later_checkpoints_set_aside_keep_their_rows_of_the_log(tmp_path, ca
     assert [(r["step"], r["run"]) for r in rows] == [(1, 1), (2, 1), (3, 1), (4, 1)]
     rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
     assert [(r["step"], r["run"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
-    assert f"to {aside}; a copy of experiment_log.jsonl, generations.log with them" in capsys.readouterr().out
+    assert f"to {aside}; a copy of experiment_log.jsonl, generations.log, experiment_config.json with them" \
+           in capsys.readouterr().out
 
 
 def test_a_fresh_start_without_validation_first_keeps_a_val_only_rows_of_step_0(tmp_path, capsys):
@@ -469,3 +470,19 @@ def test_an_easyr1_run_folder_is_named_as_such_not_as_missing_files(tmp_path):
         run_folder.find_checkpoint(str(tmp_path), None, True)
     with pytest.raises(run_folder.CheckpointError, match="scripts/model_merger.py"):
         run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_5"), True)
+
+
+def test_the_checkpoints_set_aside_keep_the_settings_that_trained_them(tmp_path):
+    """A resume from an earlier step, or from another folder's checkpoint, moved this folder's checkpoints aside with
+    a copy of the logs but not experiment_config.json: the resume's first save wrote its own settings there, and the
+    settings that trained the checkpoints set aside were in no file. Now a copy goes with them."""
+    os.makedirs(tmp_path / "a")
+    save_steps(tmp_path / "a", [2])
+    for root, load in ((tmp_path / "b", "b/global_step_2"), (tmp_path / "c", "a/global_step_2")):  # its own, another's
+        os.makedirs(root)
+        run_loop(root, run_id=1, training_steps=4, save_freq=1, experiment_name="first")
+        run_loop(root, run_id=2, training_steps=4, save_freq=1, experiment_name="second",
+                 load_checkpoint_path=str(tmp_path / load))
+        (aside,) = [p for p in root.iterdir() if p.name.startswith("earlier_")]
+        assert json.load(open(aside / "experiment_config.json"))["trainer"]["experiment_name"] == "first"
+        assert json.load(open(root / "experiment_config.json"))["trainer"]["experiment_name"] == "second"
