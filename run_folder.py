@@ -210,13 +210,13 @@ def set_aside_later(root, path, step, best):
     `step`, so that folders, tracker and logs agree even if this run stops before saving (a later incomplete folder
     stays until its step is saved). `path` another folder's: root's run is another's (or an earlier attempt's), so
     all its checkpoints and its tracker go aside, not left for rotation to remove. -> the last step whose log rows
-    stay here (-1: all are cut)."""
+    stay here (-1: all are cut; they are copied aside even if root's run saved nothing, or root holds validations)."""
     inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
     moved = [f"global_step_{s}" for s in saved_steps(root)
              if not inside or s > step and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]
     if not inside and os.path.exists(os.path.join(root, TRACKER)):
         moved.append(TRACKER)
-    if moved:
+    if moved or not inside:  # not inside: the logs (copied) of a run that saved nothing, or of validations, too
         why = "the later steps run again" if inside else "another folder's checkpoint: this folder's run goes aside"
         move_aside(root, f"resuming from {path}: {why}", moved, copies=(*LOG_FILES, "experiment_config.json"))
         if inside:
@@ -226,18 +226,18 @@ def set_aside_later(root, path, step, best):
 
 def move_aside(root, why, names=None, copies=()):
     """Move root's `names` (default: a run's logs, tracker and checkpoints) to a new root/earlier_<time>/, with a copy
-    of those of `copies` that are there, saying so."""
+    of those of `copies` that are there (those alone, if one is not empty: a new folder too), saying so."""
     run = (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png", "tensorboard")
     names = [n for n in os.listdir(root) if n in run or STEP_FOLDER.fullmatch(n)] if names is None else names
-    if names:
+    copied = [name for name in copies if os.path.isfile(os.path.join(root, name))]
+    if names or any(os.path.getsize(os.path.join(root, name)) for name in copied):  # not a new folder's empty logs
         aside = tempfile.mkdtemp(prefix=time.strftime("earlier_%Y%m%d_%H%M%S_"), dir=root)  # a new folder
         os.chmod(aside, 0o755)
         for name in names:
             os.rename(os.path.join(root, name), os.path.join(aside, name))
-        copied = [name for name in copies if os.path.isfile(os.path.join(root, name))]
         for name in copied:
             shutil.copy2(os.path.join(root, name), aside)
-        print(f"{why}: {', '.join(names)} moved from {root} to {aside}"
+        print(f"{why}: {', '.join(names) or 'no checkpoint'} moved from {root} to {aside}"
               + (f"; a copy of {', '.join(copied)} with them" if copied else ""), flush=True)
 
 

@@ -486,3 +486,23 @@ def test_the_checkpoints_set_aside_keep_the_settings_that_trained_them(tmp_path)
         (aside,) = [p for p in root.iterdir() if p.name.startswith("earlier_")]
         assert json.load(open(aside / "experiment_config.json"))["trainer"]["experiment_name"] == "first"
         assert json.load(open(root / "experiment_config.json"))["trainer"]["experiment_name"] == "second"
+
+
+def test_a_resume_from_another_folders_checkpoint_sets_aside_a_log_without_checkpoints_too(tmp_path, capsys):
+    """A folder holding only logs (here a validation of b's step 2, val_only; or a run stopped before it saved)
+    resumed into from b/global_step_2: no checkpoint or tracker to move, so nothing went aside, and the resume cut
+    the log to nothing ("dropped 1 lines of the steps that run again"), the validation's row in no file. Now a copy
+    of the logs goes aside, as where this folder's run had saved."""
+    os.makedirs(tmp_path / "b")
+    save_steps(tmp_path / "b", [2])
+    cfg = make_cfg(val_only=True, load_checkpoint_path=str(tmp_path / "b" / "global_step_2"))
+    os.makedirs(tmp_path / "c")
+    run = fake_run(tmp_path / "c", cfg, 2)
+    run.validate = lambda: {"val/reward_score": 0.75}
+    run.fit()
+    run.logger.close()
+    run_loop(tmp_path / "c", run_id=1, training_steps=3, load_checkpoint_path=str(tmp_path / "b" / "global_step_2"))
+    (aside,) = [p for p in (tmp_path / "c").iterdir() if p.name.startswith("earlier_")]
+    assert [json.loads(line) for line in open(aside / "experiment_log.jsonl")] == [{"step": 2,
+                                                                                    "val/reward_score": 0.75}]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "c" / "experiment_log.jsonl")] == [3]
