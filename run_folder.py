@@ -153,7 +153,7 @@ class CheckpointError(RuntimeError):
 def find_checkpoint(root, load_path, find_last, val_only=False):
     """The global_step_N folder to resume from (no Ray), or None for a fresh start (no checkpoint, or not `find_last`:
     the earlier run's files then go aside, unless `val_only`). An explicit `load_path` must be complete (a later one in
-    root: a warning; with `val_only`, another folder's whose step has a row in a trained root's log: an error); else the
+    root: a warning; with `val_only`, another folder's into a root that holds a training run: an error); else the
     tracker's, or the newest complete one if that is incomplete or the tracker unreadable; none complete: a fresh start
     without a tracker, a CheckpointError with one."""
     if load_path is not None:
@@ -162,13 +162,12 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
         if problem := checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
-        log, row = os.path.join(root, LOG_FILES[0]), rb'^\{"step": %d[,}]' % int(name[1])  # val_only amends that row
+        log = os.path.join(root, LOG_FILES[0])  # val_only amends the step's row, or adds one (a resume cuts it)
         trained = os.path.exists(os.path.join(root, TRACKER)) and os.path.isfile(log)  # root holds a training run
-        if val_only and trained and re.search(row, open(log, "rb").read(), re.M) \
-                and not os.path.samefile(os.path.dirname(os.path.abspath(load_path)), root):  # another folder's
+        if val_only and trained and not os.path.samefile(os.path.dirname(os.path.abspath(load_path)), root):
             raise CheckpointError(f"trainer.val_only of trainer.load_checkpoint_path={load_path}, another folder's "
-                                  f"checkpoint, would write its scores into the row of step {name[1]} in {log}, "
-                                  f"another run's: set trainer.save_checkpoint_path to a new folder")
+                                  f"checkpoint, would write its scores as step {name[1]}'s into {log}, another "
+                                  f"run's: set trainer.save_checkpoint_path to a new folder")
         if later := [s for s in saved_steps(root) if s > int(name[1])
                      and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
             print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"

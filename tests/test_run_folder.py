@@ -443,7 +443,7 @@ def test_validating_another_folders_checkpoint_does_not_write_into_this_runs_row
         run_loop(tmp_path / name, run_id=1, training_steps=2, save_freq=1)
     before = (tmp_path / "a" / "experiment_log.jsonl").read_text()
     cfg = make_cfg(val_only=True, load_checkpoint_path=str(tmp_path / "b" / "global_step_2"))
-    with pytest.raises(run_folder.CheckpointError, match=f"into the row of step 2 in {tmp_path / 'a'}/experiment_log"):
+    with pytest.raises(run_folder.CheckpointError, match=f"as step 2's into {tmp_path / 'a'}/experiment_log"):
         fake_run(tmp_path / "a", cfg, 2)
     assert (tmp_path / "a" / "experiment_log.jsonl").read_text() == before
     os.makedirs(tmp_path / "c")
@@ -506,3 +506,17 @@ def test_a_resume_from_another_folders_checkpoint_sets_aside_a_log_without_check
     assert [json.loads(line) for line in open(aside / "experiment_log.jsonl")] == [{"step": 2,
                                                                                     "val/reward_score": 0.75}]
     assert [json.loads(line)["step"] for line in open(tmp_path / "c" / "experiment_log.jsonl")] == [3]
+
+
+def test_validating_another_folders_later_checkpoint_does_not_add_a_row_to_this_runs_log(tmp_path, capsys):
+    """val_only of b/global_step_3 into run a's folder, a stopped after step 2 of 4: a's log held no row of step 3,
+    so b's score was appended as a's row of step 3 (its metrics.png showed it), and a's resume then cut it ("dropped
+    1 lines of the steps that run again"): b's validation was in no file. Refused now, as for a step a has a row of."""
+    for name, steps in (("a", 2), ("b", 3)):
+        os.makedirs(tmp_path / name)
+        run_loop(tmp_path / name, run_id=1, training_steps=steps, save_freq=1)
+    before = (tmp_path / "a" / "experiment_log.jsonl").read_text()
+    cfg = make_cfg(val_only=True, load_checkpoint_path=str(tmp_path / "b" / "global_step_3"))
+    with pytest.raises(run_folder.CheckpointError, match="set trainer.save_checkpoint_path to a new folder"):
+        fake_run(tmp_path / "a", cfg, 4)
+    assert (tmp_path / "a" / "experiment_log.jsonl").read_text() == before
