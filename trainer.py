@@ -512,7 +512,7 @@ def check_choices(cfg):
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    if unknown := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
+    if unknown := [name for name in cfg.trainer.logger if not isinstance(name, str) or name not in LOGGERS]:
         raise ConfigError(f"trainer.logger has {unknown}; choose from {list(LOGGERS)}")
     if unknown := sorted(set(cfg.worker.rollout.val_override_config) - set(rollout.SAMPLING_KEYS)):  # at start-up
         raise ConfigError(f"worker.rollout.val_override_config has {unknown}; choose from {[*rollout.SAMPLING_KEYS]}")

@@ -142,6 +142,16 @@ def test_a_dict_key_written_as_a_list_in_the_file_names_the_key(tmp_path):
         load_config(str(path))
 
 
+def test_a_logger_entry_that_is_not_a_name_is_a_config_error():
+    """A mapping or a list as an entry of trainer.logger (YAML's `- wandb:` under logger, trainer.logger=[[file]])
+    loads, as the list's entries are not typed, but the check of the names stopped trainer.py with 'TypeError:
+    unhashable type', a traceback naming no key."""
+    for override, entry in (("trainer.logger=[console,{wandb: 1}]", "{'wandb': 1}"),
+                            ("trainer.logger=[[file]]", "['file']")):
+        with pytest.raises(ConfigError, match=re.escape(f"trainer.logger has [{entry}]; choose from ['console'")):
+            load_checked(override)
+
+
 def test_cross_key_checks():
     with pytest.raises(ConfigError, match="clip_ratio_dual"):
         load_config(None, ["worker.actor.clip_ratio_dual=1.0"])
