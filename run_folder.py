@@ -208,13 +208,14 @@ def set_aside_later(root, path, step, best):
     that trained them (the resume's first save writes its own into experiment_config.json), and the tracker names
     `step`, so that folders, tracker and logs agree even if this run stops before saving (a later incomplete folder
     stays until its step is saved). `path` another folder's: root's run is another's (or an earlier attempt's), so
-    all its checkpoints and its tracker go aside, not left for rotation to remove. -> the last step whose log rows
-    stay here (-1: all are cut; they are copied aside even if root's run saved nothing, or root holds validations)."""
+    all its checkpoints, its tracker, metrics.png and tensorboard/ go aside (a writer's purge_step would hide its
+    events), not left for rotation to remove. -> the last step whose log rows stay here (-1: all are cut; they are
+    copied aside even if root's run saved nothing, or root holds validations)."""
     inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
     moved = [f"global_step_{s}" for s in saved_steps(root)
              if not inside or s > step and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]
-    if not inside and os.path.exists(os.path.join(root, TRACKER)):
-        moved.append(TRACKER)
+    if not inside:
+        moved += [n for n in (TRACKER, "metrics.png", "tensorboard") if os.path.exists(os.path.join(root, n))]
     if moved or not inside:  # not inside: the logs (copied) of a run that saved nothing, or of validations, too
         why = "the later steps run again" if inside else "another folder's checkpoint: this folder's run goes aside"
         move_aside(root, f"resuming from {path}: {why}", moved, copies=(*LOG_FILES, "experiment_config.json"))

@@ -520,3 +520,21 @@ def test_validating_another_folders_later_checkpoint_does_not_add_a_row_to_this_
     with pytest.raises(run_folder.CheckpointError, match="set trainer.save_checkpoint_path to a new folder"):
         fake_run(tmp_path / "a", cfg, 4)
     assert (tmp_path / "a" / "experiment_log.jsonl").read_text() == before
+
+
+def test_a_resume_from_another_folders_checkpoint_sets_this_runs_plot_and_tensorboard_events_aside(tmp_path):
+    """This folder's run goes aside, but its tensorboard/ and metrics.png stayed: the resumed run's writer, opened with
+    purge_step 0 (its rows start over), hid every event of the run set aside in TensorBoard, and its plot was
+    overwritten at the end. Now they go with that run's checkpoints and tracker."""
+    os.makedirs(tmp_path / "a")
+    save_steps(tmp_path / "a", [2])
+    os.makedirs(tmp_path / "b")
+    run_loop(tmp_path / "b", run_id=1, training_steps=2, save_freq=1)
+    (tmp_path / "b" / "tensorboard").mkdir()
+    (tmp_path / "b" / "tensorboard" / "events.out.tfevents.1").write_text("run 1's")
+    (tmp_path / "b" / "metrics.png").write_text("run 1's plot")
+    run_loop(tmp_path / "b", run_id=2, training_steps=3, load_checkpoint_path=str(tmp_path / "a" / "global_step_2"))
+    (aside,) = [p for p in (tmp_path / "b").iterdir() if p.name.startswith("earlier_")]
+    assert (aside / "tensorboard" / "events.out.tfevents.1").read_text() == "run 1's"
+    assert (aside / "metrics.png").read_text() == "run 1's plot"
+    assert not (tmp_path / "b" / "tensorboard").exists()
