@@ -121,7 +121,7 @@ class Run:
         self.step, self.best = 0, {"best_global_step": None, "best_val_reward_score": None}
         self._resume(checkpoint)
         if not t.val_only and checkpoint is None:  # a resume's settings: with its first checkpoint (save_checkpoint),
-            config = json.dumps(config_to_dict(cfg), indent=2)  # so a resume stopped before it leaves those that trained
+            config = json.dumps(config_to_dict(cfg), indent=2)  # so a resume stopped before it keeps those that trained
             write_atomic(os.path.join(self.ckpt_root, "experiment_config.json"), config)
         self.train_iter = iter(self.train_loader)
 
