@@ -306,8 +306,8 @@ def remove_checkpoint(path):
     files save_checkpoint wrote, saying what stays."""
     names = {os.path.join(d, n) for d in ("", "actor") if os.path.isdir(os.path.join(path, d))
              for n in os.listdir(os.path.join(path, d))}
-    own = names & {"actor/model", "actor/optim", "actor/extra_state.pt", "actor/huggingface", "dataloader.pt",
-                   "trainer_state.json"}
+    own = {n for n in names if n.split(".tmp.")[0] in {"actor/model", "actor/optim", "actor/extra_state.pt",  # and
+           "actor/huggingface", "dataloader.pt", "trainer_state.json"}}  # write_atomic's .tmp.<pid> of a save killed
     try:
         if not (kept := sorted(names - own - {"actor"})):
             return shutil.rmtree(path)

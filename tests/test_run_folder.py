@@ -169,10 +169,12 @@ def test_a_fresh_start_moves_the_earlier_runs_config_aside_with_its_logs(tmp_pat
 
 
 def test_removing_a_checkpoint_takes_its_huggingface_copy_and_keeps_a_merged_model(tmp_path):
-    """remove_checkpoint removes the files a save wrote, actor/huggingface included; merge.py's actor/merged stays."""
+    """remove_checkpoint removes the files a save wrote, actor/huggingface and a temporary file of write_atomic's
+    included; merge.py's actor/merged stays."""
     for folder in ("actor/model", "actor/huggingface", "actor/merged"):
         os.makedirs(tmp_path / "global_step_1" / folder)
     (tmp_path / "global_step_1" / "trainer_state.json").write_text("{}")
+    (tmp_path / "global_step_1" / "trainer_state.json.tmp.4242").write_text("{")  # a save killed in write_atomic
     run_folder.remove_checkpoint(str(tmp_path / "global_step_1"))
     assert os.listdir(tmp_path / "global_step_1") == ["actor"]
     assert os.listdir(tmp_path / "global_step_1" / "actor") == ["merged"]
