@@ -540,3 +540,47 @@ def test_a_resume_from_another_folders_checkpoint_sets_this_runs_plot_and_tensor
     assert (aside / "tensorboard" / "events.out.tfevents.1").read_text() == "run 1's"
     assert (aside / "metrics.png").read_text() == "run 1's plot"
     assert not (tmp_path / "b" / "tensorboard").exists()
+
+
+def test_a_checkpoint_path_with_a_trailing_slash_is_this_folders_own(tmp_path, capsys):
+    """load_checkpoint_path=<run>/global_step_2/ (a shell completes a folder with a slash) is this folder's own
+    checkpoint: val_only of it validates here, and a resume from it sets aside steps 3 and 4 alone. Taken for
+    another folder's (the parent of the path as written is global_step_2 itself), val_only would be refused and the
+    resume would set the whole run aside, global_step_2 with it, and cut the log to nothing."""
+    run_loop(tmp_path, run_id=1, training_steps=4, save_freq=1)
+    load = f"{tmp_path}/global_step_2/"
+    run = fake_run(tmp_path, make_cfg(val_only=True, load_checkpoint_path=load), 4)
+    run.validate = lambda: {"val/reward_score": 0.5}
+    run.fit()
+    run.logger.close()
+    run_loop(tmp_path, run_id=2, training_steps=4, save_freq=1, load_checkpoint_path=load)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]
+    assert folders(aside) == [3, 4] and folders(tmp_path) == [1, 2, 3, 4]
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert [(r["step"], r["run"], r.get("val/reward_score")) for r in rows] == [(1, 1, None), (2, 1, 0.5), (3, 2, None),
+                                                                                (4, 2, 0.0)]
+
+
+def test_a_resume_from_another_folders_checkpoint_keeps_no_row_of_this_folders_step_0(tmp_path):
+    """b's run validated the base model first (a row of step 0), then b resumed from a/global_step_2: every row
+    of b's run is another run's, step 0's too, and goes aside with it; kept, the earlier run's base-model score
+    would stand in b's log (and metrics.png) as the resumed run's step 0."""
+    os.makedirs(tmp_path / "a")
+    save_steps(tmp_path / "a", [2])
+    os.makedirs(tmp_path / "b")
+    run_loop(tmp_path / "b", run_id=1, training_steps=2, save_freq=1, val_before_train=True)
+    run_loop(tmp_path / "b", run_id=2, training_steps=3, load_checkpoint_path=str(tmp_path / "a" / "global_step_2"))
+    (aside,) = [p for p in (tmp_path / "b").iterdir() if p.name.startswith("earlier_")]
+    assert [json.loads(line)["step"] for line in open(aside / "experiment_log.jsonl")] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "b" / "experiment_log.jsonl")] == [3]
+
+
+def test_a_resume_from_another_folders_checkpoint_into_a_new_folder_sets_nothing_aside(tmp_path, capsys):
+    """A new folder's logs, opened empty before the resume, hold no run: no earlier_<time>/ of empty copies (one
+    more at every such start) and nothing said of a run going aside."""
+    os.makedirs(tmp_path / "a")
+    save_steps(tmp_path / "a", [2])
+    os.makedirs(tmp_path / "b")
+    run_loop(tmp_path / "b", run_id=1, training_steps=3, load_checkpoint_path=str(tmp_path / "a" / "global_step_2"))
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith("earlier_")]
+    assert "goes aside" not in capsys.readouterr().out
