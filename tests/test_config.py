@@ -510,6 +510,8 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     ("worker.actor.clip_ratio_low=-0.1", "clip_ratio_low=-0.1"),  # 1 - (-0.1) would widen the trust region
     ("worker.actor.clip_ratio_low=1.5", "clip_ratio_low=1.5 (in [0, 1])"),  # 1 - 1.5 < 0: the ratio is never clipped
     ("worker.actor.tau_negative=0", "tau_negative=0.0 must be > 0"),  # SAPO's 4 / tau: NaN gradients, all skipped
+    ("worker.actor.tau_positive=0", "tau_positive=0.0, tau_negative=1.05 must be > 0"),  # the same for A > 0
+    ("worker.actor.tau_negative=-1.05", "tau_negative=-1.05 must be > 0"),  # trains as |tau|, the loss shifted
     ("data.seed=8796093022208", "data.seed=8796093022208 must be below 2**43"),  # 2**43 itself is out
     ("algorithm.kl_coef=-0.5", "algorithm.kl_coef=-0.5, worker"),  # away from the reference
     ("worker.actor.optim.weight_decay=-1", "weight_decay=-1.0"),  # adamw_bf16 would grow the weights

@@ -174,7 +174,8 @@ def test_toy_reward_file_scores_format_and_accuracy():
              ("<answer> 7 </answer>", "7", 1.0, 1.0), ("<answer>red</answer>\n", "red", 0.0, 1.0),
              ("red", "red", 0.0, 1.0), ("<answer>red", "red", 0.0, 0.0), ("x<answer>red</answer>", "green", 0.0, 0.0),
              ("<answer>red</answer></answer></answer>", "red", 0.0, 1.0),  # run on to the length cap
-             ("<answer><answer>red</answer>", "red", 0.0, 0.0)]
+             ("<answer><answer>red</answer>", "red", 0.0, 0.0),
+             ("<answer>red</answer><answer>red</answer>", "red", 0.0, 1.0)]  # two blocks: not one, format 0
     got = score([{"response": r, "ground_truth": g, "response_length": 1, "prompt": "", "extra": {}}
                  for r, g, _, _ in cases])
     for (response, _, form, accuracy), result in zip(cases, got):

@@ -414,6 +414,27 @@ def test_a_resume_stopped_before_its_first_checkpoint_leaves_the_settings_that_t
     assert json.load(open(tmp_path / "experiment_config.json"))["worker"]["actor"]["optim"]["lr"] == 1e-3
 
 
+def test_validating_the_base_model_in_a_run_folder_leaves_the_settings_that_trained(tmp_path, toy, monkeypatch,
+                                                                                     capsys):
+    """val_only with trainer.find_last_checkpoint=false (the base model, validated in a run's folder) trains and
+    moves nothing: the run's experiment_config.json stays the settings its checkpoint was trained with, so the next
+    resume compares with those (written over, it said 'lr: 3e-06 -> 0.001' of a learning rate that trained nothing)."""
+    from test_checkpoint import FakeWorkers
+
+    monkeypatch.setattr(trainer, "WorkerGroup", lambda *args: FakeWorkers())
+    monkeypatch.setattr(trainer.actor, "save_hf_files", lambda *args, **kwargs: None)  # no model to copy from
+    toy_config = functools.partial(load_config, os.path.join(ROOT, "configs", "toy.yaml"))
+    run = trainer.Run(toy_config(toy_overrides(tmp_path, toy)))
+    run.step = 1
+    run.save_checkpoint({})  # as fit saves a step
+    run.logger.close()
+    trainer.Run(toy_config(toy_overrides(tmp_path, toy, "trainer.val_only=true", "trainer.find_last_checkpoint=false",
+                                         "worker.actor.optim.lr=3e-6"))).logger.close()
+    assert json.load(open(tmp_path / "experiment_config.json"))["worker"]["actor"]["optim"]["lr"] == 1e-3
+    trainer.Run(toy_config(toy_overrides(tmp_path, toy))).logger.close()  # a plain resume, as trained
+    assert "other settings" not in capsys.readouterr().out
+
+
 def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
     """A read-only run folder (chattr +i end to end; chmod for a non-root user) ended the start with a PermissionError
     traceback from opening experiment_log.jsonl (probe AI), a resume and trainer.val_only alike. Root ignores modes,
