@@ -7,6 +7,7 @@ and fake workers, is in tests/test_checkpoint.py.)"""
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -519,6 +520,12 @@ def test_validating_another_folders_later_checkpoint_does_not_add_a_row_to_this_
         run_loop(tmp_path / name, run_id=1, training_steps=steps, save_freq=1)
     before = (tmp_path / "a" / "experiment_log.jsonl").read_text()
     cfg = make_cfg(val_only=True, load_checkpoint_path=str(tmp_path / "b" / "global_step_3"))
+    with pytest.raises(run_folder.CheckpointError, match="set trainer.save_checkpoint_path to a new folder"):
+        fake_run(tmp_path / "a", cfg, 4)
+    assert (tmp_path / "a" / "experiment_log.jsonl").read_text() == before
+    os.remove(tmp_path / "a" / run_folder.TRACKER)  # a run stopped before its first save: rows, no tracker
+    for step in (1, 2):  # (its next start cuts its rows, and b's score would go with them)
+        shutil.rmtree(tmp_path / "a" / f"global_step_{step}")
     with pytest.raises(run_folder.CheckpointError, match="set trainer.save_checkpoint_path to a new folder"):
         fake_run(tmp_path / "a", cfg, 4)
     assert (tmp_path / "a" / "experiment_log.jsonl").read_text() == before
