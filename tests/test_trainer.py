@@ -393,11 +393,8 @@ def test_a_resume_under_other_settings_names_them(tmp_path, capsys, monkeypatch)
     assert f"{tmp_path}/experiment_config.json cannot be read (JSONDecodeError: " in capsys.readouterr().out
 
 
-def test_a_resume_stopped_before_its_first_checkpoint_leaves_the_settings_that_trained(tmp_path, toy, monkeypatch,
-                                                                                         capsys):
-    """A resume under another learning rate, stopped before it saved, rewrote experiment_config.json at its start:
-    the next resume, under the settings that trained the checkpoint, was told 'lr: 3e-06 -> 0.001' (and another try
-    at 3e-6 nothing). The file is now written at a fresh start and with each checkpoint."""
+def toy_run_saved_at_step_1(tmp_path, toy, monkeypatch):
+    """A toy run in tmp_path (fake workers) that saved step 1; -> load_config of toy.yaml, for the next starts."""
     from test_checkpoint import FakeWorkers
 
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *args: FakeWorkers())
@@ -407,6 +404,15 @@ def test_a_resume_stopped_before_its_first_checkpoint_leaves_the_settings_that_t
     run.step = 1
     run.save_checkpoint({})  # as fit saves a step
     run.logger.close()
+    return toy_config
+
+
+def test_a_resume_stopped_before_its_first_checkpoint_leaves_the_settings_that_trained(tmp_path, toy, monkeypatch,
+                                                                                         capsys):
+    """A resume under another learning rate, stopped before it saved, rewrote experiment_config.json at its start:
+    the next resume, under the settings that trained the checkpoint, was told 'lr: 3e-06 -> 0.001' (and another try
+    at 3e-6 nothing). The file is now written at a fresh start and with each checkpoint."""
+    toy_config = toy_run_saved_at_step_1(tmp_path, toy, monkeypatch)
     trainer.Run(toy_config(toy_overrides(tmp_path, toy, "worker.actor.optim.lr=3e-6"))).logger.close()
     assert "worker.actor.optim.lr: 0.001 -> 3e-06" in capsys.readouterr().out
     trainer.Run(toy_config(toy_overrides(tmp_path, toy))).logger.close()  # as the checkpoint was trained
@@ -419,15 +425,7 @@ def test_validating_the_base_model_in_a_run_folder_leaves_the_settings_that_trai
     """val_only with trainer.find_last_checkpoint=false (the base model, validated in a run's folder) trains and
     moves nothing: the run's experiment_config.json stays the settings its checkpoint was trained with, so the next
     resume compares with those (written over, it said 'lr: 3e-06 -> 0.001' of a learning rate that trained nothing)."""
-    from test_checkpoint import FakeWorkers
-
-    monkeypatch.setattr(trainer, "WorkerGroup", lambda *args: FakeWorkers())
-    monkeypatch.setattr(trainer.actor, "save_hf_files", lambda *args, **kwargs: None)  # no model to copy from
-    toy_config = functools.partial(load_config, os.path.join(ROOT, "configs", "toy.yaml"))
-    run = trainer.Run(toy_config(toy_overrides(tmp_path, toy)))
-    run.step = 1
-    run.save_checkpoint({})  # as fit saves a step
-    run.logger.close()
+    toy_config = toy_run_saved_at_step_1(tmp_path, toy, monkeypatch)
     trainer.Run(toy_config(toy_overrides(tmp_path, toy, "trainer.val_only=true", "trainer.find_last_checkpoint=false",
                                          "worker.actor.optim.lr=3e-6"))).logger.close()
     assert json.load(open(tmp_path / "experiment_config.json"))["worker"]["actor"]["optim"]["lr"] == 1e-3
