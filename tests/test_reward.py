@@ -379,6 +379,9 @@ def test_batch_function_with_wrong_length_or_type(tmp_path):
     short = load_reward_function(write(tmp_path, "short.py", "def main(xs):\n    return [{'overall': 1.0}]\n"))
     with pytest.raises(RewardError, match="'short.py:main' .*returned 1 results for 3 inputs"):
         short([sample("a", "1")] * 3)
+    extra = load_reward_function(write(tmp_path, "extra.py", "def main(xs):\n    return [{'overall': 1.0}] * 3\n"))
+    with pytest.raises(RewardError, match="'extra.py:main' .*returned 3 results for 2 inputs"):  # one score too many
+        extra([sample("a", "1")] * 2)
     single = load_reward_function(write(tmp_path, "single.py", "def main(xs):\n    return {'overall': 1.0}\n"))
     with pytest.raises(RewardError, match="returned dict for 2 inputs"):
         single([sample("a", "1")] * 2)
