@@ -70,6 +70,15 @@ def test_shard_balances_each_mini_batch_by_prompt_and_response_tokens():
     assert group.shard(lopsided)[1] == [[0, 3], [1, 2]]
 
 
+
+def test_equal_groups_that_do_not_divide_over_the_ranks_are_placed_sample_by_sample():
+    """A mini-batch of 3 prompts x 2 responses on 2 ranks: 3 groups cannot go 1.5 to a rank, so samples go one by one,
+    3 to each rank. Tokens a 5, 5, b 3, 3, c 1, 1; largest first into the lighter rank (ties: rank 0): 0 -> r0, 1 ->
+    r1, 2 -> r0 (5 = 5), 3 -> r1, 4 -> r0, 5 -> r1: 9 tokens each."""
+    samples = [{"uid": u, "prompt_ids": [0] * (k - 1), "response_ids": [0]}
+               for u, k in zip("aabbcc", (5, 5, 3, 3, 1, 1))]
+    assert fake_group(2, 6).shard(samples)[1] == [[0, 2, 4], [1, 3, 5]]
+
 def test_log_probs_come_back_in_sample_order_and_update_metrics_are_the_ranks_mean():
     """Rank 0 holds samples 0, 1, 6, 7 (as above): the joined log-probs follow the samples, not the ranks. Each
     rank's update metrics: rank 0 pg_loss 1, rank 1 pg_loss 3 -> the mean 2; lr 2 on both -> 2; n (its samples)
@@ -189,6 +198,7 @@ def test_a_phases_peak_counts_what_it_allocated_last(monkeypatch):
             pass
         used[0] = 10 * 2**30  # and exits at once, long before the poller's next 5 ms reading
     assert memory == {"sync": 10.0}
+
 
 
 def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_exception(monkeypatch):
