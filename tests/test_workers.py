@@ -201,6 +201,20 @@ def test_a_phases_peak_counts_what_it_allocated_last(monkeypatch):
 
 
 
+def test_a_phase_entered_twice_keeps_its_larger_peak(monkeypatch):
+    """A step may generate in several rounds (online filtering, ReMax's greedy pass): its gen peak is the largest
+    of them, 8 GiB, not the last round's 3 GiB."""
+    used = [0]
+    monkeypatch.setattr(workers.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(workers.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(workers.torch.cuda, "mem_get_info", lambda device: (100 * 2**30 - used[0], 100 * 2**30))
+    memory = {}
+    for gib in (8, 3):
+        used[0] = gib * 2**30
+        with workers.device_peak(memory, "gen"):
+            pass
+    assert memory == {"gen": 8.0}
+
 def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_exception(monkeypatch):
     """Run._resume tells the actor's refusal of a checkpoint (a ValueError) from a crash by the cause."""
     group = workers.WorkerGroup.__new__(workers.WorkerGroup)
