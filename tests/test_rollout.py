@@ -643,3 +643,22 @@ def test_tp_gather_takes_the_first_ranks_seed_and_this_ranks_offset(monkeypatch)
     engine = rollout.VLLMRollout.__new__(rollout.VLLMRollout)
     engine.llm = None
     assert engine._gather_tp_group(b, 22) == (a + b, 3, 11)
+
+
+def test_vllm_sample_j_of_prompt_i_is_seeded_as_the_transformers_engine_seeds_it():
+    """The vLLM engine sends one request per sample, request k = i * n + j seeded derive_seed(seed, i, j): the
+    documented blake2b of repr((seed, i, j)) >> 2, as the transformers engine seeds its rows."""
+    import hashlib
+
+    params = []
+    engine = rollout.VLLMRollout.__new__(rollout.VLLMRollout)
+    engine.cfg, engine.max_response_length, engine.eos_ids = config(), 4, [IM_END]
+    engine.bias, engine.synced, engine.asleep, engine.SamplingParams = None, True, set(), lambda **kw: kw
+    done = types.SimpleNamespace
+    engine.llm = done(generate=lambda reqs, ps, use_tqdm=False: params.extend(ps) or [
+        done(outputs=[done(token_ids=[IM_END], logprobs=[{IM_END: done(logprob=-1.0)}])]) for _ in reqs])
+    engine._gather_tp_group = lambda prompts, seed: (prompts, 0, seed)
+    engine.generate([{"uid": "a", "raw_prompt_ids": [3]}, {"uid": "b", "raw_prompt_ids": [4]}], n=3, seed=7)
+    blake = [int.from_bytes(hashlib.blake2b(repr((7, i, j)).encode(), digest_size=8).digest(), "little") >> 2
+             for i in range(2) for j in range(3)]
+    assert [p["seed"] for p in params] == blake and len(set(blake)) == 6
