@@ -431,3 +431,13 @@ def test_a_loader_with_a_pixel_dtype_casts_the_pixel_values_only(tmp_path, toy):
         assert torch.equal(bf16[key], fp32[key].to(torch.bfloat16)) and not torch.equal(bf16[key].float(), fp32[key])
     for key in ("image_grid_thw", "video_grid_thw"):
         assert torch.equal(bf16[key], fp32[key]) and bf16[key].dtype == fp32[key].dtype
+
+
+def test_a_prompts_video_frames_are_bounded_by_its_models_merged_patch(toy):
+    """The builder bounds video frames for the model's merged patch of patch_size x merge_size pixels (the toy's
+    Qwen2.5-VL: 14 x 2 = 28): two 1000 x 1000 frames under max_pixels 10^6 get 768 x 28^2 = 602112 pixels,
+    s = sqrt(0.602112) = 0.77596 -> 775 x 775 (a 14-pixel patch would give 150528: 387 x 387)."""
+    b = builder(toy["vl_model"], config(max_pixels=10**6, max_prompt_length=8192))
+    p = b.build({"problem": "<video>Which colour?", "answer": "red",
+                 "videos": [[png(1000, 1000, COLOR_LIST[0]), png(1000, 1000, COLOR_LIST[1])]]}, 0, "r0")
+    assert p["videos"][0].shape == (2, 775, 775, 3)
