@@ -432,6 +432,13 @@ def test_kl_inputs_that_would_pass_silently_are_errors():
                            kl_coef=0.1)
 
 
+def test_a_padded_token_kl_is_an_error_for_a_per_response_estimator_even_with_lengths():
+    """lengths are read by REINFORCE++ alone: grpo given a padded [N, L] token_kl and lengths [1, 2] would sum
+    the 3 values of each row, padding included (kl 3 and 3, not 1 and 2), so it refuses as without lengths."""
+    with pytest.raises(ValueError, match=r"token_kl: a list of N tensors \[L_i\]"):
+        compute_advantages("grpo", [1.0, 0.0], ["a", "a"], token_kl=torch.ones(2, 3), kl_coef=0.1, lengths=[1, 2])
+
+
 @pytest.mark.parametrize("args, update, match", [
     ((0.1, 0.0, 1e4), None, "target_kl=0.0 and horizon=10000.0 must be > 0"),
     ((0.1, 6.0, 100), (0.0, 1000), "n_steps=1000 must be below 5 x horizon = 500"),
