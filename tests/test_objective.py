@@ -658,3 +658,15 @@ def test_seq_mode_divides_each_mini_batch_by_its_own_sequences(toy, samples):
     shifted = [dict(s, advantage=a) for s, a in zip(samples, [1.0, 0.5, 0.7, 0.2])]
     metrics, _, _ = update_on_policy(toy, shifted, {"loss_avg_mode": "seq", "global_batch_size": 1, "optim.lr": 0.0})
     assert math.isclose(metrics["actor/pg_loss"], -0.6, rel_tol=1e-5), metrics["actor/pg_loss"]
+
+
+def test_samples_that_do_not_fill_whole_mini_batches_are_an_error_not_a_short_step(toy, samples):
+    """Mini-batches of 2 (global_batch_size 1 prompt x n 2) and 3 samples: an error naming the counts, not a second
+    optimizer step on the lone third sample; no samples at all (no step, no LR schedule step) is one too."""
+    from test_actor_update import make_actor, make_cfg
+
+    actor = make_actor(make_cfg(toy["vl_model"], global_batch_size=1))
+    for part in (samples[:3], []):
+        with pytest.raises(ValueError, match=f"{len(part)} samples on rank 0 is not a positive multiple of the "
+                                             "mini-batch size 2"):
+            actor.update([dict(s) for s in part])
