@@ -80,6 +80,30 @@ def test_score_hands_each_response_its_own_prompts_ground_truth_and_skip_special
             for r in rows] == [("g1", "p1", "[5, 6]|False", 2, "length"), ("g0", "p0", "[7]|False", 1, "stop")]
 
 
+def test_score_hands_the_reward_each_prompts_extra_columns():
+    """A row's extra columns (data.py's prompt["extra"]) reach the reward function with each response of that
+    prompt; a prompt without them gives {}."""
+    run = bare_run()
+    run.tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: "r")
+    run.reward_fn = lambda rows: rows
+    prompts = [{"ground_truth": "g0", "prompt_text": "p0", "extra": {"id": "q7", "difficulty": 2}},
+               {"ground_truth": "g1", "prompt_text": "p1"}]
+    rows = run.score(prompts, [{"prompt_index": i, "response_ids": [5], "finish_reason": "stop"} for i in (1, 0, 0)])
+    assert [r["extra"] for r in rows] == [{}, {"id": "q7", "difficulty": 2}, {"id": "q7", "difficulty": 2}]
+
+
+def test_generation_is_capped_at_max_response_length_under_training_and_validation_settings():
+    """Run.sampling: worker.rollout's n, temperature, top_p and top_k (val_override_config's on top for validation)
+    and max_tokens = data.max_response_length (7 here), not max_prompt_length (5)."""
+    run = bare_run("data.max_prompt_length=5", "data.max_response_length=7", "worker.rollout.n=4",
+                   "worker.rollout.temperature=0.9")
+    train, val = run.sampling((1, 1)), run.sampling(("validation", 0), {"temperature": 0.0, "n": 1})
+    assert {k: v for k, v in train.items() if k != "seed"} == {"n": 4, "temperature": 0.9, "top_p": 1.0, "top_k": -1,
+                                                               "max_tokens": 7}
+    assert {k: v for k, v in val.items() if k != "seed"} == {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                                             "max_tokens": 7}
+
+
 def test_dr_grpo_advantages_are_not_divided_by_the_std_and_disable_kl_skips_the_reference_pass():
     """norm_adv_by_std_in_grpo false: A = score - group mean: (1, 0) -> 0.5, -0.5; (1, 1) -> 0, 0. With
     algorithm.disable_kl only the old log-probs are computed (the reference pass is a forward over the batch)."""
