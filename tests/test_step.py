@@ -104,6 +104,22 @@ def test_generation_is_capped_at_max_response_length_under_training_and_validati
                                                              "max_tokens": 7}
 
 
+def test_the_closing_line_counts_the_steps_that_changed_no_weight(capsys):
+    """actor/grad_norm is NaN when every optimizer step of a training step was skipped (non-finite gradients).
+    Resumed at step 1 of 4, steps 2 and 4 have NaN norms, step 3 a finite one: 2 of the 3 steps run changed no
+    weight. A run whose norms are finite, or that logs none, says nothing of it."""
+    for norms, said in (((float("nan"), 0.5, float("nan")), "but 2 of the 3 steps changed no weight"),
+                        ((0.5, 1.0, 2.0), None), ((None, None, None), None)):
+        run = bare_run("trainer.val_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1", step=1,
+                       training_steps=4)
+        it = iter(norms)
+        run.train_step = lambda: {} if (norm := next(it)) is None else {"actor/grad_norm": norm}
+        run.validate, run.save_checkpoint = (lambda: {}), (lambda metrics: run.logger.log(metrics, run.step))
+        run.fit()
+        out = capsys.readouterr().out
+        assert (said in out) if said else "changed no weight" not in out, out
+
+
 def test_dr_grpo_advantages_are_not_divided_by_the_std_and_disable_kl_skips_the_reference_pass():
     """norm_adv_by_std_in_grpo false: A = score - group mean: (1, 0) -> 0.5, -0.5; (1, 1) -> 0, 0. With
     algorithm.disable_kl only the old log-probs are computed (the reference pass is a forward over the batch)."""
@@ -139,6 +155,9 @@ def test_a_rollout_that_sampled_another_distribution_is_warned_of(capsys):
         trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 1.0})
         assert ("differ from the rollout engine's by 0.60 on average" in capsys.readouterr().out) == warned
     samples[0]["old_logprobs"] = torch.tensor([-1.9, -2.0])  # one token 0.9 off, the mean 0.45: a bf16 outlier
+    trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 1.0})
+    assert "differ from the rollout engine's" not in capsys.readouterr().out
+    samples[0]["old_logprobs"] = torch.tensor([-1.5, -1.5])  # 0.5 on each token: the mean at the limit, not above
     trainer._batch_metrics([{"prompt_ids": [7] * 3}], responses, samples, cfg, {"timing_s/step": 1.0})
     assert "differ from the rollout engine's" not in capsys.readouterr().out
 
