@@ -28,6 +28,19 @@ def test_validation_draws_one_response_a_prompt_unless_val_override_config_sets_
     assert asked == [n, n]
 
 
+def test_validation_generates_from_synced_weights_and_puts_the_engine_to_sleep_after():
+    """validate() runs after a step's update (and on a resume before any step): the engine gets the actor's weights
+    before its first generation, else it scores the policy of the last sync; it sleeps after its last generation,
+    freeing its memory for the checkpoint saved next and the next step's passes."""
+    run = val_run("trainer.val_generations_to_log=0")[0]
+    calls, generate = [], run.workers.generate
+    run.workers.sync_weights = lambda: calls.append("sync")
+    run.workers.sleep = lambda: calls.append("sleep")
+    run.workers.generate = lambda prompts, s: calls.append("generate") or generate(prompts, s)
+    run.validate()
+    assert calls == ["sync", "generate", "generate", "sleep"]
+
+
 def val_run(*overrides, record="seed"):
     """Val batches [a, b, c] and [d], prompts of 4, 2, 3, 4 tokens (max_prompt_length 4), a response each of 1, 2, 3
     and 4 tokens (d's without an EOS), scored 1, 0, 0, 1. -> (run, the seeds (or `record`) each batch drew)."""
