@@ -232,6 +232,8 @@ def test_worker_count_that_does_not_divide_the_batch_fails_at_load():
         load_config(None, ["trainer.n_gpus_per_node=3"])
     load_config(None, ["trainer.n_gpus_per_node=3", "worker.rollout.name=hf", "data.rollout_batch_size=384",
                        "worker.actor.global_batch_size=192"])
+    # the responses of a mini-batch are what is split: 128 prompts x 3 responses = 384 over 3 workers, 128 each
+    load_config(None, ["trainer.n_gpus_per_node=3", "worker.rollout.name=hf", "worker.rollout.n=3"])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -513,6 +515,7 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     ("worker.actor.tau_positive=0", "tau_positive=0.0, tau_negative=1.05 must be > 0"),  # the same for A > 0
     ("worker.actor.tau_negative=-1.05", "tau_negative=-1.05 must be > 0"),  # trains as |tau|, the loss shifted
     ("data.seed=8796093022208", "data.seed=8796093022208 must be below 2**43"),  # 2**43 itself is out
+    ("data.seed=-8796093022208", "data.seed=-8796093022208 must be below 2**43 in size"),  # -2**43 x 1_000_003 too
     ("algorithm.kl_coef=-0.5", "algorithm.kl_coef=-0.5, worker"),  # away from the reference
     ("worker.actor.optim.weight_decay=-1", "weight_decay=-1.0"),  # adamw_bf16 would grow the weights
     ("worker.actor.optim.lr_warmup_steps=-4", "lr_warmup_steps=-4 (>= 0)"),
@@ -550,6 +553,10 @@ def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
     for more in (["trainer.max_try_make_batch=4"], ["trainer.max_try_make_batch=-1"]):
         load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4",
                            "worker.actor.global_batch_size=16", "trainer.max_try_make_batch=3", *more])
+    uneven = ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=5", "worker.actor.global_batch_size=16"]
+    with pytest.raises(ConfigError, match=re.escape("max_try_make_batch=3 is below the 4 generation rounds")):
+        load_config(None, [*uneven, "trainer.max_try_make_batch=3"])  # 5 + 5 + 5 prompts leave one to a 4th round
+    load_config(None, [*uneven, "trainer.max_try_make_batch=4"])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -559,6 +566,8 @@ def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
     ("algorithm.kl_coef=nan", "algorithm.kl_coef=nan: not a number"),  # min(nan, ...) < 0 let it through
     ("worker.rollout.temperature=nan", "worker.rollout.temperature=nan"),
     ("worker.actor.max_grad_norm=nan", "worker.actor.max_grad_norm=nan"),
+    ("worker.actor.tis_cap=nan", "worker.actor.tis_cap=nan: not a number"),  # Optional[float]: nan <= 0 is false
+    ("worker.reward.call_timeout=nan", "worker.reward.call_timeout=nan: not a number"),  # no range check of its own
 ])
 def test_a_negative_or_infinite_lr_and_any_nan_are_config_errors(override, message):
     """Probe AJ: these loaded; lr=-1e-3 on the toy died in the worker's setup with torch's 'Invalid learning rate'."""
@@ -578,3 +587,4 @@ def test_an_fsdp_size_that_does_not_divide_the_workers_is_a_config_error():
     with pytest.raises(ConfigError, match=re.escape("worker.ref.fsdp.fsdp_size=3 must divide the 8 workers")):
         load_config("geo3k", ["worker.ref.fsdp.fsdp_size=3"])
     load_config("geo3k", ["worker.actor.fsdp.fsdp_size=4", "worker.ref.fsdp.fsdp_size=8"])  # 8: all, as -1
+    load_config("geo3k", ["worker.actor.fsdp.fsdp_size=16"])  # more than the 8 workers: all of them too (modeling.py)
