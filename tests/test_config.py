@@ -251,6 +251,8 @@ def test_keys_that_were_silently_ignored_now_fail_with_a_message(override, messa
     # the values that do what EasyR1 does load
     load_checked("worker.ref.fsdp.torch_dtype=bf16", "worker.actor.fsdp.mp_buffer_dtype=float32",
                  "trainer.logger=[console,file,mlflow,swanlab]")
+    load_checked("worker.ref.fsdp.torch_dtype=bfloat16")  # the compute dtype bf16 under another of its names
+    load_checked("worker.ref.fsdp.torch_dtype=fp32", "worker.ref.fsdp.mp_param_dtype=float32")
 
 
 def test_bare_config_name_resolves_under_configs(capsys):
