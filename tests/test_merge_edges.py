@@ -6,6 +6,7 @@ checkpoints.)"""
 
 import json
 import os
+import pickle
 import re
 import shutil
 
@@ -350,6 +351,23 @@ def test_a_distcp_cut_by_one_byte_and_non_tensor_entries_are_errors(toy, tmp_pat
     dcp.save({"w": torch.zeros(2), "step": 3}, checkpoint_id=str(tmp_path / "mixed"), no_dist=True)
     with pytest.raises(merge.MergeError, match=r"non-tensor entries \['step'\]"):
         merge.read_metadata(str(tmp_path / "mixed"))
+
+
+def test_each_distcp_is_checked_against_its_largest_end_whatever_the_metadata_order(tmp_path):
+    """Tensors a (8 floats) and b (2) in one file, cut short of its last item: truncated, also when .metadata lists
+    that file's items in another order than their offsets (the end checked is each file's largest, not its last
+    listed)."""
+    dcp.save({"a": torch.zeros(8), "b": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = pickle.load(open(tmp_path / ".metadata", "rb"))
+    infos = sorted(metadata.storage_data.items(), key=lambda item: item[1].offset, reverse=True)  # the last first
+    assert len({info.relative_path for _, info in infos}) == 1 and len(infos) == 2
+    metadata.storage_data = dict(infos)
+    pickle.dump(metadata, open(tmp_path / ".metadata", "wb"))
+    path = tmp_path / infos[0][1].relative_path
+    with open(path, "r+b") as f:
+        f.truncate(infos[0][1].offset + infos[0][1].length - 1)  # past the first item's end, one byte short of the last
+    with pytest.raises(merge.MergeError, match=rf"{infos[0][1].relative_path} is truncated"):
+        merge.read_metadata(str(tmp_path))
 
 
 def test_cast_and_size_units_by_hand():
