@@ -370,6 +370,23 @@ def test_each_distcp_is_checked_against_its_largest_end_whatever_the_metadata_or
         merge.read_metadata(str(tmp_path))
 
 
+def test_the_written_models_dtype_is_its_first_floating_tensors(tmp_path, monkeypatch):
+    """write_model returns save_pretrained's model.dtype for config.json: the first floating tensor's (bf16 here),
+    past an integer buffer stored first, which is written as it is; --dtype fp16 gives fp16."""
+    state = {"counts": torch.arange(4), "w": torch.ones(3, 2, dtype=torch.bfloat16)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "model"), no_dist=True)
+    names = ({name: [name] for name in state}, set(), {name: t.shape for name, t in state.items()}, None)
+    monkeypatch.setattr(merge, "hf_names", lambda hf_dir: names)  # a model whose state dict starts with an int
+    monkeypatch.setattr(merge, "revert_weight_conversion", lambda model, tensors: tensors)  # saved as named
+    tensors = merge.read_metadata(str(tmp_path / "model"))
+    for dtype, expected in ((None, torch.bfloat16), (torch.float16, torch.float16)):
+        (out := tmp_path / str(dtype)).mkdir()
+        assert merge.write_model(str(tmp_path / "model"), tensors, None, None, str(out), dtype, 10**9) == expected
+        written, _ = safetensors_contents(str(out))
+        assert written["counts"].dtype == torch.int64 and written["counts"].tolist() == [0, 1, 2, 3]
+        assert written["w"].dtype == expected
+
+
 def test_cast_and_size_units_by_hand():
     """cast leaves integer tensors alone; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024."""
     ints = torch.arange(3)
