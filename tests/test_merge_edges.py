@@ -387,6 +387,18 @@ def test_the_written_models_dtype_is_its_first_floating_tensors(tmp_path, monkey
         assert written["w"].dtype == expected
 
 
+def test_a_lora_config_beside_a_full_models_weights_is_an_error_naming_no_adapter(toy, tmp_path):
+    """huggingface/adapter_config.json with a checkpoint that holds no LoRA tensor (the files of two runs mixed):
+    a MergeError saying no adapter was found, with and without --merge_lora, and nothing written."""
+    text_checkpoint(toy, tmp_path / "actor")
+    (tmp_path / "actor" / "huggingface" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    for merge_lora in (False, True):
+        with pytest.raises(merge.MergeError, match="expected the LoRA tensors of one adapter in the checkpoint, "
+                                                   "found none"):
+            merge.merge_checkpoint(str(tmp_path / "actor"), merge_lora=merge_lora)
+    assert sorted(os.listdir(tmp_path / "actor")) == ["huggingface", "model"]
+
+
 def test_cast_and_size_units_by_hand():
     """cast leaves integer tensors alone; KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024."""
     ints = torch.arange(3)
