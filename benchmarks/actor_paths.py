@@ -234,8 +234,8 @@ def bare_generate(repeats):
 
 def run_mode(actor, mode, repeats):
     weights = "bf16" if mode.startswith("bf16") else "fp32"
-    cfg = actor_config(MODEL, max_tokens_per_micro_batch=MICRO, compute_entropy=False, global_batch_size=SAMPLES // STEPS,
-                       use_torch_compile="+compile" in mode,
+    cfg = actor_config(MODEL, max_tokens_per_micro_batch=MICRO, compute_entropy=False,
+                       global_batch_size=SAMPLES // STEPS, use_torch_compile="+compile" in mode,
                        **{"fsdp.torch_dtype": weights, "fsdp.mp_param_dtype": "bf16", "fsdp.mp_reduce_dtype": "fp32",
                           "model.enable_gradient_checkpointing": "+nockpt" not in mode, "optim.lr": 1e-6})
     policy = actor.Actor(cfg, device="cuda", max_prompt_length=PROMPT, max_response_length=RESPONSE,
@@ -249,8 +249,9 @@ def run_mode(actor, mode, repeats):
     for s, lp in zip(samples, old):
         s["old_logprobs"] = lp
     update_s, metrics = timed(lambda: policy.update(samples), repeats)
-    result = {"mode": mode, "tokens": tokens, "old_tokens_per_s": tokens / old_s, "update_tokens_per_s": tokens / update_s,
-              "old_s": old_s, "update_s": update_s, "mfu_update": metrics.get("perf/mfu_actor"),
+    result = {"mode": mode, "tokens": tokens, "old_tokens_per_s": tokens / old_s,
+              "update_tokens_per_s": tokens / update_s, "old_s": old_s, "update_s": update_s,
+              "mfu_update": metrics.get("perf/mfu_actor"),
               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
               "allocator_during_timing": {k: v - before[k] for k, v in allocator_counts().items()}}
     print(json.dumps(result), flush=True)

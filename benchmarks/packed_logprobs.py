@@ -58,7 +58,8 @@ def make_samples(n, seed=0):
         post = torch.randint(10, 32000, (20,), generator=g).tolist()
         if i % 3 != 2:
             h, w = 16, 12 + 4 * (i % 3)
-            mm = {"pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g), "image_grid_thw": torch.tensor([[1, h, w]])}
+            mm = {"pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g),
+                  "image_grid_thw": torch.tensor([[1, h, w]])}
             ids = pre + [VS] + [IMG] * (h * w // 4) + [VE] + post
             start = len(pre) + 1
             rows = [list(range(start)) for _ in range(3)]

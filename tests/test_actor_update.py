@@ -251,12 +251,12 @@ def test_two_gloo_ranks_match_one_process(toy, samples, tmp_path):
     codes = run_ranks(_rank_main, [(r, 2, port, toy["vl_model"], str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"))
                                    for r in range(2)], timeout=300)
     assert codes == [0, 0], f"rank exit codes {codes} (-15: still running after 300 s and killed; a collective hung?)"
-    distributed = torch.load(tmp_path / "out.pt", weights_only=False)
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
     for mode in ("token", "seq", "seq_sum_norm"):
         grad, params, metrics = one_step(toy["vl_model"], samples, loss_avg_mode=mode)
-        assert_same_tensors(distributed[mode][0], grad, f"{mode}: gradient, 2 ranks vs 1 process")
-        assert_same_tensors(distributed[mode][1], params, f"{mode}: weights, 2 ranks vs 1 process", rtol=0, atol=WEIGHT_ATOL)
-        assert math.isclose(distributed[mode][2]["actor/grad_norm"], metrics["actor/grad_norm"], rel_tol=1e-4)
+        assert_same_tensors(out[mode][0], grad, f"{mode}: gradient, 2 ranks vs 1 process")
+        assert_same_tensors(out[mode][1], params, f"{mode}: weights, 2 ranks vs 1 process", rtol=0, atol=WEIGHT_ATOL)
+        assert math.isclose(out[mode][2]["actor/grad_norm"], metrics["actor/grad_norm"], rel_tol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,7 +540,8 @@ def _one_worker_main(port, model_path, samples_path, out_path):
                                  "worker.actor.fsdp.mp_param_dtype=bf16", "worker.ref.fsdp.mp_param_dtype=bf16",
                                  "algorithm.disable_kl=false", "worker.rollout.name=hf", "data.max_prompt_length=64",
                                  "data.max_response_length=8", "worker.actor.global_batch_size=2", "worker.rollout.n=2",
-                                 "trainer.n_gpus_per_node=1", "data.rollout_batch_size=2", "worker.actor.dynamic_batching=false",
+                                 "trainer.n_gpus_per_node=1", "data.rollout_batch_size=2",
+                                 "worker.actor.dynamic_batching=false",
                                  "worker.actor.micro_batch_size_per_device_for_update=4",
                                  "worker.actor.micro_batch_size_per_device_for_experience=4"])  # one micro-batch each:
     # bf16 GEMMs round a row by the shape of the whole batch, so only equal packing gives equal log-probs

@@ -56,7 +56,8 @@ def test_grpo_by_hand():
     assert got[0].item() == pytest.approx(0.866024, abs=1e-6)  # 0.5 / 0.57735...
 
 
-@pytest.mark.parametrize("name,opts", [("grpo", {}), ("grpo", {"norm_by_std": False}), ("rloo", {}), ("grpo_passk", {})])
+@pytest.mark.parametrize("name,opts", [("grpo", {}), ("grpo", {"norm_by_std": False}), ("rloo", {}),
+                                       ("grpo_passk", {})])
 def test_group_estimators_match_a_loop(name, opts):
     rng = random.Random(0)
     uids = [f"p{rng.randrange(6)}" for _ in range(40)]
@@ -344,7 +345,8 @@ def test_online_filtering_for_pass_at_k_drops_a_group_whose_top_score_is_shared(
 
 def test_advantage_metrics_over_tokens():
     got = advantage.advantage_metrics([1.0, 0.0], [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-6.0])], ["a", "b"])
-    assert (got["critic/advantages/mean"], got["critic/advantages/max"], got["critic/advantages/min"]) == (0.0, 3.0, -6.0)
+    assert (got["critic/advantages/mean"], got["critic/advantages/max"],
+            got["critic/advantages/min"]) == (0.0, 3.0, -6.0)
 
 
 def test_advantage_metrics_by_hand():

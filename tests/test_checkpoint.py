@@ -111,14 +111,16 @@ def save_steps(root, steps, kl_type="adaptive", **trainer_keys):
 
 BREAKS = {  # how a checkpoint is broken -> (break it, what the resume says)
     "extra_state.pt missing": (lambda p: os.remove(p / "actor" / "extra_state.pt"), "actor/extra_state.pt is missing"),
-    "optim missing": (lambda p: [os.remove(f) for f in (p / "actor" / "optim").iterdir()], "actor/optim/.metadata is missing"),
+    "optim missing": (lambda p: [os.remove(f) for f in (p / "actor" / "optim").iterdir()],
+                      "actor/optim/.metadata is missing"),
     "model shard truncated": (lambda p: open(p / "actor" / "model" / "__0_0.distcp", "r+b").truncate(10),
                               "actor/model/__0_0.distcp is missing or truncated"),
     "trainer_state.json missing": (lambda p: os.remove(p / "trainer_state.json"), "trainer_state.json is missing"),
     "trainer_state.json truncated": (lambda p: open(p / "trainer_state.json", "r+").truncate(5),
                                      "trainer_state.json cannot be read (JSONDecodeError"),
     "dataloader.pt missing": (lambda p: os.remove(p / "dataloader.pt"), "dataloader.pt is missing"),
-    "dataloader.pt truncated": (lambda p: open(p / "dataloader.pt", "r+b").truncate(20), "dataloader.pt cannot be read"),
+    "dataloader.pt truncated": (lambda p: open(p / "dataloader.pt", "r+b").truncate(20),
+                                "dataloader.pt cannot be read"),
 }
 
 
@@ -222,7 +224,8 @@ def test_an_explicit_checkpoint_must_be_complete(tmp_path):
     save_steps(tmp_path, [1, 2])
     break_checkpoint(tmp_path / "global_step_2", "optim missing")
     path = str(tmp_path / "global_step_2")
-    with pytest.raises(run_folder.CheckpointError, match=r"cannot resume from .*global_step_2: actor/optim/.metadata is missing"):
+    with pytest.raises(run_folder.CheckpointError,
+                       match=r"cannot resume from .*global_step_2: actor/optim/.metadata is missing"):
         run_folder.find_checkpoint(str(tmp_path), path, True)
     assert run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_1"), True).endswith("global_step_1")
     with pytest.raises(run_folder.CheckpointError, match="must be an existing global_step_N folder"):
@@ -530,7 +533,7 @@ def test_rotation_and_a_step_saved_again_keep_what_merge_py_wrote_in_the_folder(
     assert sorted(str(p.relative_to(tmp_path / "global_step_1")) for p in (tmp_path / "global_step_1").rglob("*")
                   if p.is_file()) == ["actor/merged/model.safetensors", "export/config.json"]
     (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("earlier_")]
-    assert (tmp_path / aside / "global_step_3" / "actor" / "adapter" / "adapter_model.safetensors").read_text() == "kept"
+    assert (tmp_path / aside / "global_step_3/actor/adapter/adapter_model.safetensors").read_text() == "kept"
     assert run_folder.checkpoint_problem(str(tmp_path / "global_step_3")) is None
     out = capsys.readouterr().out
     assert out.count(f"{tmp_path / 'global_step_1'}: removing the checkpoint but keeping what else is there: "

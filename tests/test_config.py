@@ -347,7 +347,8 @@ def test_gpu_requirements_install_from_wheels_and_flash_attn_is_a_documented_ext
     # a dict's values are not typed by OmegaConf: a string here was a bare TypeError from the comparison
     (["worker.rollout.val_override_config={top_p: abc}"], "top_p=abc (in (0, 1]), top_k=-1 (-1 or 0: off; n and"),
     # a float n or top_k crashed the first validation (range() and topk() take integers)
-    (["worker.rollout.val_override_config={temperature: 0, n: 2.0}"], "val_override_config.n=2.0 (>= 1), temperature=0"),
+    (["worker.rollout.val_override_config={temperature: 0, n: 2.0}"],
+     "val_override_config.n=2.0 (>= 1), temperature=0"),
     (["worker.rollout.val_override_config={top_k: 2.0}"], "top_k=2.0 (-1 or 0: off; n and top_k integers)"),
 ])
 def test_impossible_combinations_are_config_errors_naming_the_keys(overrides, message):
@@ -369,8 +370,8 @@ def test_the_possible_neighbours_of_those_combinations_load():
 def test_settings_that_train_on_another_distribution_or_waste_prompts_are_warned_about(caplog):
     """top_p / top_k in training: sampled from the truncated distribution, log-probs of the whole one (the ratios
     off, as in EasyR1); a mini_rollout_batch_size that does not divide rollout_batch_size generates prompts no step
-    trains on; a reward length limit (DAPO's overlong penalty) that is not the rollout's; fp16 training. All load (EasyR1 runs
-    them) with a warning; the defaults say nothing."""
+    trains on; a reward length limit (DAPO's overlong penalty) that is not the rollout's; fp16 training. All load
+    (EasyR1 runs them) with a warning; the defaults say nothing."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="config"):
@@ -532,7 +533,8 @@ def test_values_just_outside_their_range_are_config_errors(override, message):
 
 def test_top_k_one_warns_a_mini_batch_that_divides_does_not_and_a_list_after_a_space_is_one_list(caplog):
     """top_k=1 samples from a truncated distribution (greedy) as any top_k does; mini_rollout_batch_size 256 of
-    512 wastes no prompt; a cosine floor loads silently, a floor under the constant schedule (ignored) is warned of. `trainer.logger= [console,file]` (a space after =) is [console, file], not nested."""
+    512 wastes no prompt; a cosine floor loads silently, a floor under the constant schedule (ignored) is warned of.
+    `trainer.logger= [console,file]` (a space after =) is [console, file], not nested."""
     with caplog.at_level(logging.WARNING, logger="config"):
         load_config(None, ["worker.rollout.top_k=1"])
         assert "top_k=1: responses are sampled from the truncated distribution" in caplog.text
@@ -550,8 +552,9 @@ def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
     keeps some groups only); fewer allowed failed step 1 after its rounds."""
     for filtering in ("false", "true"):
         with pytest.raises(ConfigError, match=re.escape("max_try_make_batch=3 is below the 4 generation rounds")):
-            load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4", "trainer.max_try_make_"
-                               "batch=3", "worker.actor.global_batch_size=16", f"algorithm.online_filtering={filtering}"])
+            load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4",
+                               "trainer.max_try_make_batch=3", "worker.actor.global_batch_size=16",
+                               f"algorithm.online_filtering={filtering}"])
     for more in (["trainer.max_try_make_batch=4"], ["trainer.max_try_make_batch=-1"]):
         load_config(None, ["data.rollout_batch_size=16", "data.mini_rollout_batch_size=4",
                            "worker.actor.global_batch_size=16", "trainer.max_try_make_batch=3", *more])

@@ -183,12 +183,15 @@ def test_every_key_easyr1_example_scripts_set_loads():
 
 
 # What EasyR1's examples/qwen2_5_vl_7b_geo3k_<recipe>.sh (b44b311) set, beyond their data, model and run names.
-EASYR1_RECIPES = {"dapo": "data.mini_rollout_batch_size=128 worker.actor.clip_ratio_low=0.2 worker.actor.clip_ratio_"
-                  "high=0.28 algorithm.disable_kl=true algorithm.online_filtering=true", "gspo": "worker.actor.loss_type"
-                  "=gspo_token worker.actor.loss_avg_mode=seq worker.actor.clip_ratio_low=3e-4 worker.actor.clip_ratio_"
-                  "high=4e-4 algorithm.disable_kl=true", "cispo": "worker.actor.loss_type=cispo worker.actor.clip_ratio_"
-                  "low=0 worker.actor.clip_ratio_high=4", "reinforce_pp": "algorithm.adv_estimator=reinforce_plus_plus "
-                  "algorithm.use_kl_loss=false algorithm.kl_penalty=kl algorithm.kl_coef=1e-3"}
+EASYR1_RECIPES = {
+    "dapo": "data.mini_rollout_batch_size=128 worker.actor.clip_ratio_low=0.2 worker.actor.clip_ratio_high=0.28 "
+            "algorithm.disable_kl=true algorithm.online_filtering=true",
+    "gspo": "worker.actor.loss_type=gspo_token worker.actor.loss_avg_mode=seq worker.actor.clip_ratio_low=3e-4 "
+            "worker.actor.clip_ratio_high=4e-4 algorithm.disable_kl=true",
+    "cispo": "worker.actor.loss_type=cispo worker.actor.clip_ratio_low=0 worker.actor.clip_ratio_high=4",
+    "reinforce_pp": "algorithm.adv_estimator=reinforce_plus_plus algorithm.use_kl_loss=false algorithm.kl_penalty=kl "
+                    "algorithm.kl_coef=1e-3",
+}
 
 
 @pytest.mark.parametrize("recipe", EASYR1_RECIPES)

@@ -329,7 +329,8 @@ def test_a_list_answer_reaches_the_reward_as_it_is(toy):
     which a reward written for EasyR1 (`any(... for gold in ground_truth)`) walks character by character."""
     text = builder(toy["text_model"])
     assert text.build({"problem": "Q?", "answer": ["4", "four"]}, 0, "r0")["ground_truth"] == ["4", "four"]
-    assert text.build({"problem": "Q?", "answer": {"low": 1, "high": 2}}, 0, "r0")["ground_truth"] == {"low": 1, "high": 2}
+    got = text.build({"problem": "Q?", "answer": {"low": 1, "high": 2}}, 0, "r0")["ground_truth"]
+    assert got == {"low": 1, "high": 2}
 
 
 def test_a_broken_format_prompt_is_a_data_error_naming_the_file(toy, tmp_path):

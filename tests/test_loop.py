@@ -90,7 +90,8 @@ def test_trust_remote_code_reaches_processor_loaders_and_rollout(tmp_path, fake_
     assert run.train_loader.trust_remote_code is True and run.val_loader.trust_remote_code is True
     # The worker hands the model's setting to the rollout engine (vLLM's LLM(trust_remote_code=...)).
     seen = {}
-    monkeypatch.setattr(trainer.actor, "Actor", lambda cfg, role, **kw: seen.setdefault(role, cfg.model.trust_remote_code))
+    monkeypatch.setattr(trainer.actor, "Actor",
+                        lambda cfg, role, **kw: seen.setdefault(role, cfg.model.trust_remote_code))
     monkeypatch.setattr(trainer.rollout, "make_rollout", lambda cfg, path, **kw: seen.setdefault("rollout", cfg))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # setup sets them; restored after
         monkeypatch.setenv(key, "0")
@@ -290,8 +291,8 @@ def step_run(*overrides):
     run.make_batch = lambda metrics: (prompts, responses, scores, {"reward/overall": 0.75})
     run.workers = StepWorkers()
     a = run.cfg.algorithm
-    run.kl_ctrl = (trainer.advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_type == "adaptive"
-                   else trainer.advantage.FixedKLController(a.kl_coef))
+    run.kl_ctrl = (trainer.advantage.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+                   if a.kl_type == "adaptive" else trainer.advantage.FixedKLController(a.kl_coef))
     return run
 
 
@@ -449,7 +450,8 @@ def test_cosine_schedule_by_hand():
         schedule.step()
     expected = [0.0] + [2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * k / 4)) / 2) for k in range(4)]
     assert lrs == pytest.approx(expected)
-    assert expected[1:] == pytest.approx([2.0, 2.0 * (0.1 + 0.45 * (1 + 0.5 ** 0.5)), 1.1, 2.0 * (0.1 + 0.45 * (1 - 0.5 ** 0.5))])
+    assert expected[1:] == pytest.approx([2.0, 2.0 * (0.1 + 0.45 * (1 + 0.5 ** 0.5)), 1.1,
+                                          2.0 * (0.1 + 0.45 * (1 - 0.5 ** 0.5))])
 
 
 def test_reinforce_plus_plus_gets_token_kl_and_token_returns():
@@ -500,8 +502,8 @@ def test_online_filtering_keeps_flat_groups_only_where_their_advantage_is_not_ze
 
 @pytest.mark.parametrize("filtering", [True, False])
 def test_the_round_limit_names_what_to_change(filtering):
-    """max_try_make_batch 2 and one prompt a round (of 2 asked) where 4 are wanted: the error after two rounds advises on the
-    filter only when online filtering is on; without it the rounds are few because mini_rollout_batch_size is."""
+    """max_try_make_batch 2 and one prompt a round (of 2 asked) where 4 are wanted: the error after two rounds advises
+    on the filter only when online filtering is on; without it the rounds are few because mini_rollout_batch_size is."""
     run = bare_run("data.rollout_batch_size=4", "data.mini_rollout_batch_size=2", "worker.rollout.n=2",
                    "worker.actor.global_batch_size=2", "trainer.n_gpus_per_node=1", "worker.rollout.name=hf",
                    "trainer.max_try_make_batch=2", f"algorithm.online_filtering={str(filtering).lower()}")

@@ -22,8 +22,8 @@ STEPS, LR, SCALE, SHAPE = 200, 1e-6, 0.02, (256, 256)
 
 def adamw_runs(weight_decay):
     """The same 200 random gradients (bf16, as FSDP hands them over) through (a) fp32-master torch AdamW, the
-    reference; (b) AdamWBF16 on bf16 weights; (c) torch AdamW whose fp32 result is written back into bf16 weights
-    after every step (the lossy way). -> (initial bf16 weights, reference, AdamWBF16 weights, their compensation, (c))."""
+    reference; (b) AdamWBF16 on bf16 weights; (c) torch AdamW whose fp32 result is written back into bf16 weights after
+    every step (the lossy way). -> (initial bf16 weights, reference, AdamWBF16 weights, their compensation, (c))."""
     gen = torch.Generator().manual_seed(0)
     w0 = (torch.randn(SHAPE, generator=gen) * SCALE).bfloat16()
     ref, lossy = torch.nn.Parameter(w0.float()), torch.nn.Parameter(w0.float())

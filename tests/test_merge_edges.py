@@ -1,8 +1,8 @@
 """merge.py at the edges: a save cut short, an --output that is a file or symlink, a stale <output>.partial, two
-merges into one output, a malformed adapter_config.json, --force replacing an output with no moment where neither old nor new exists; LoRA
-merged in fp32 and written in the stored dtype, embedding adapters, dtype names, the index file, the checks of
-tensors, plans, shards and sizes. (tests/test_merge.py holds the round trips and the helpers that build
-checkpoints.)"""
+merges into one output, a malformed adapter_config.json, --force replacing an output with no moment where neither
+old nor new exists; LoRA merged in fp32 and written in the stored dtype, embedding adapters, dtype names, the index
+file, the checks of tensors, plans, shards and sizes. (tests/test_merge.py holds the round trips and the helpers
+that build checkpoints.)"""
 
 import json
 import os
@@ -427,8 +427,8 @@ def test_a_missing_folder_or_a_run_folder_is_said_as_such(tmp_path):
 
 def test_a_mixture_of_experts_merges_into_what_save_pretrained_writes(toy, tmp_path):
     """transformers keeps a mixture's experts fused in memory ([experts, 2 x inner, hidden]) and splits them on save,
-    one tensor per expert: the merged folder holds save_pretrained's tensors, names and values, in several shards with an
-    index (before: a RuntimeError from transformers' conversion of empty probes)."""
+    one tensor per expert: the merged folder holds save_pretrained's tensors, names and values, in several shards
+    with an index (before: a RuntimeError from transformers' conversion of empty probes)."""
     from safetensors.torch import load_file
     from test_actor_families import tiny_text_family
 

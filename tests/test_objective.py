@@ -62,7 +62,8 @@ def run(loss_type, logp, old, adv, cu, weights=None, **kw):
 def close(got, want, rtol=RTOL, atol=ATOL):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert math.isclose(g, w, rel_tol=rtol, abs_tol=atol), f"token {i}: got {g}, want {w}\n got  {got}\n want {want}"
+        assert math.isclose(g, w, rel_tol=rtol, abs_tol=atol), \
+            f"token {i}: got {g}, want {w}\n got  {got}\n want {want}"
 
 
 def single_token_cu(n):
@@ -427,7 +428,8 @@ def ref_k3(d):
     return min(max(math.exp(neg) - neg - 1.0, -10.0), 10.0)
 
 
-KL_D = [0.0, 0.3, -0.3, 1.0, -2.0, 2.0, 15.0, -30.0, 30.0, -100.0]  # exp(100) overflows fp32: the clamp keeps grads finite
+# exp(100) overflows fp32: the clamp keeps grads finite
+KL_D = [0.0, 0.3, -0.3, 1.0, -2.0, 2.0, 15.0, -30.0, 30.0, -100.0]
 
 
 @pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])

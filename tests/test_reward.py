@@ -15,7 +15,8 @@ from reward import RewardError, load_reward_function
 
 
 def sample(response, ground_truth, response_length=None, **extra):
-    return {"response": response, "response_length": len(response.split()) if response_length is None else response_length,
+    return {"response": response,
+            "response_length": len(response.split()) if response_length is None else response_length,
             "ground_truth": ground_truth, "prompt": "Solve it.", "extra": extra}
 
 
@@ -75,10 +76,11 @@ def easyr1_math_format(text):
 
 @pytest.mark.parametrize("text", [
     "<think></think>\\boxed{}", "<think>a</think>b\\boxed{c}d", "<think>\\boxed{1}</think>", "<think>a</think>\\boxed{",
-    "x<think>a</think>\\boxed{1}", "<think>a</think></think>\\boxed{}}", "<think>\\boxed{</think>}", "</think><think>\\boxed{1}",
-    "<think>a</think>}\\boxed{", "<think>a</think> \\boxed{\\boxed{} x", " \n<think>a</think>\\boxed{1}\n",
-    "x <think>a</think>\\boxed{1}", "< think >a< / think >\\boxed{1}", "<think>a</thi nk>\\boxed{1}", "<think>a<\n/think>\\boxed{1} ",
-    "\\boxed{1}<think>a</think>", "<think>a</think>\\boxed {1}", "<think>a</think>\\boxed{1}</think>", "\t<think>\n</think>\n\\boxed{x > 1}",
+    "x<think>a</think>\\boxed{1}", "<think>a</think></think>\\boxed{}}", "<think>\\boxed{</think>}",
+    "</think><think>\\boxed{1}", "<think>a</think>}\\boxed{", "<think>a</think> \\boxed{\\boxed{} x",
+    " \n<think>a</think>\\boxed{1}\n", "x <think>a</think>\\boxed{1}", "< think >a< / think >\\boxed{1}",
+    "<think>a</thi nk>\\boxed{1}", "<think>a<\n/think>\\boxed{1} ", "\\boxed{1}<think>a</think>",
+    "<think>a</think>\\boxed {1}", "<think>a</think>\\boxed{1}</think>", "\t<think>\n</think>\n\\boxed{x > 1}",
 ])
 def test_math_format_equals_easyr1(text):
     """The linear-time format check agrees with EasyR1's: its tidy, then the fullmatch regex."""
@@ -218,7 +220,8 @@ def test_dapo_accuracy(response, truth, acc):
         assert reward.dapo_reward(sample(response, int(truth), response_length=10), **DAPO_KW) == got
 
 
-@pytest.mark.parametrize("length,overlong", [(0, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0), (101, -1.0), (5000, -1.0)])
+@pytest.mark.parametrize("length,overlong", [(0, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (100, -1.0), (101, -1.0),
+                                             (5000, -1.0)])
 def test_dapo_overlong_penalty(length, overlong):
     got = reward.dapo_reward(sample("Answer: 4", "4", response_length=length), **DAPO_KW)
     assert got["overlong"] == pytest.approx(overlong, abs=1e-12)
@@ -291,7 +294,8 @@ def test_sequential_file_with_kwargs_and_extra_columns(tmp_path):
     fn = load_reward_function(write(tmp_path, "seq.py", SEQUENTIAL_FILE) + ":compute_score", bonus=0.25)
     assert (fn.name, fn.reward_type) == ("seq.py:compute_score", "sequential")
     got = fn([sample("4", "4", difficulty=3), sample("5", "4")])
-    assert got == [{"overall": 1.25, "accuracy": 1.0, "difficulty": 3.0}, {"overall": 0.25, "accuracy": 0.0, "difficulty": 0.0}]
+    assert got == [{"overall": 1.25, "accuracy": 1.0, "difficulty": 3.0},
+                   {"overall": 0.25, "accuracy": 0.0, "difficulty": 0.0}]
 
 
 def test_batch_file_defaults_to_main_and_batch(tmp_path):
@@ -360,7 +364,8 @@ BATCH_BODY = "return [score(x) for x in inputs]"
 ])
 @pytest.mark.parametrize("call_timeout", [None, 30])
 def test_bad_reward_function_names_function_and_sample(tmp_path, kind, body, bad, message, call_timeout):
-    fn = load_reward_function(write(tmp_path, "broken.py", BROKEN.format(kind=kind, body=body)), call_timeout=call_timeout)
+    fn = load_reward_function(write(tmp_path, "broken.py", BROKEN.format(kind=kind, body=body)),
+                              call_timeout=call_timeout)
     inputs = [sample("fine", "1"), sample("fine too", "2"), sample("the bad one " + "z" * 300, bad)]
     with pytest.raises(RewardError) as caught:
         fn(inputs)
@@ -436,7 +441,8 @@ def test_a_reward_file_that_fails_to_load_is_a_reward_error_naming_it(tmp_path):
     mathruler), is a one-line RewardError naming the file (it was a raw traceback)."""
     with pytest.raises(RewardError, match=r"syntax.py failed to load: SyntaxError"):
         load_reward_function(write(tmp_path, "syntax.py", "def main(xs)\n    return xs\n") + ":main")
-    with pytest.raises(RewardError, match=r"needs.py failed to load: ModuleNotFoundError: No module named 'mathrulerx'"):
+    with pytest.raises(RewardError,
+                       match=r"needs.py failed to load: ModuleNotFoundError: No module named 'mathrulerx'"):
         load_reward_function(write(tmp_path, "needs.py", "import mathrulerx\ndef main(xs):\n    return xs\n"))
 
 
@@ -451,15 +457,18 @@ def test_a_reward_file_imports_its_sibling_files(tmp_path):
 def test_a_function_of_one_input_without_reward_type_gets_a_hint(tmp_path):
     """The default REWARD_TYPE is batch (EasyR1's): a function written for one input fails on the list with
     'list indices must be integers', which says nothing of REWARD_TYPE; the message now does."""
-    fn = load_reward_function(write(tmp_path, "one.py", "def main(x):\n    return {'overall': float(x['ground_truth'] == '1')}\n"))
-    with pytest.raises(RewardError, match=r"raised TypeError: list indices .* on a batch of 2 inputs \(REWARD_TYPE batch, "
-                                          r"the default: one call with the list; 'sequential': one call per input\)"):
+    fn = load_reward_function(write(tmp_path, "one.py",
+                                    "def main(x):\n    return {'overall': float(x['ground_truth'] == '1')}\n"))
+    with pytest.raises(RewardError, match=r"raised TypeError: list indices .* on a batch of 2 inputs "
+                                          r"\(REWARD_TYPE batch, the default: one call with the list; "
+                                          r"'sequential': one call per input\)"):
         fn([sample("a", "1"), sample("b", "2")])
 
 
 def test_keys_that_are_not_strings_are_an_error_naming_the_sample(tmp_path):
     """A non-string key crashed the error path itself (sorted() of int and str keys): a bare TypeError."""
-    fn = load_reward_function(write(tmp_path, "intkey.py", "def main(xs):\n    return [{'overall': 1.0, 0: 1.0} for x in xs]\n"))
+    fn = load_reward_function(write(tmp_path, "intkey.py",
+                                    "def main(xs):\n    return [{'overall': 1.0, 0: 1.0} for x in xs]\n"))
     with pytest.raises(RewardError, match=r"returned keys \['overall', 0\]; they must be strings .* on sample 0"):
         fn([sample("a", "1")])
 

@@ -72,7 +72,8 @@ def test_builtins_grade_in_the_reward_process():
 def test_a_raise_in_the_reward_process_keeps_its_traceback(tmp_path):
     fn = load_reward_function(write(tmp_path, "raises.py", "def main(xs):\n    return [{'overall': 1 / 0}]\n"),
                               call_timeout=30)
-    with pytest.raises(RewardError, match="'raises.py:main' raised ZeroDivisionError: division by zero on a batch of 1 inputs") as caught:
+    with pytest.raises(RewardError, match="'raises.py:main' raised ZeroDivisionError: division by zero "
+                                          "on a batch of 1 inputs") as caught:
         fn([sample("a", "1")])
     assert "raises.py\", line 2, in main" in str(caught.value.__cause__)
     with pytest.raises(RewardError, match="call_timeout=0: give a number of seconds > 0 and at most 1e6, or null"):

@@ -508,7 +508,8 @@ def test_trust_remote_code_reaches_every_load_of_the_transformers_engine(toy, mo
     for cls in (transformers.AutoConfig, transformers.AutoModelForImageTextToText, transformers.GenerationConfig):
         original = cls.from_pretrained.__func__
         monkeypatch.setattr(cls, "from_pretrained", classmethod(
-            lambda c, *a, _o=original, _n=cls.__name__, **kw: seen.append((_n, kw.get("trust_remote_code"))) or _o(c, *a, **kw)))
+            lambda c, *a, _o=original, _n=cls.__name__, **kw:
+                seen.append((_n, kw.get("trust_remote_code"))) or _o(c, *a, **kw)))
     rollout.make_rollout(config(trust_remote_code=True), toy["vl_model"], max_prompt_length=32, max_response_length=4,
                          device="cpu", tokenizer_path=toy["vl_model"])
     assert ("GenerationConfig", True) in seen  # (transformers' own model load also reads it, without the flag)

@@ -23,7 +23,8 @@ def test_vl_model_reloads_through_auto_classes(toy):
     row = pd.read_parquet(os.path.join(toy["colors"], "train.parquet")).iloc[0]
     assert "<image>" in row["problem"] and row["answer"] in ("red", "green", "blue", "yellow")
     image = Image.open(io.BytesIO(row["images"][0]["bytes"]))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]}]
+    messages = [{"role": "user",
+                 "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
     inputs = processor(text=[text], images=[image], return_tensors="pt")
@@ -143,7 +144,8 @@ def test_warm_start_answers_in_format_with_content_at_chance(toy, model, task):
                                                    tokenize=False))
     if is_vl:
         images = [Image.open(io.BytesIO(r[0]["bytes"])) for r in rows["images"]]
-    inputs = processor(text=texts, images=images, return_tensors="pt") if is_vl else processor(texts, return_tensors="pt")
+    inputs = (processor(text=texts, images=images, return_tensors="pt") if is_vl
+              else processor(texts, return_tensors="pt"))
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
     choices = ["red", "green", "blue", "yellow"] if is_vl else list(map(str, range(2 * toy_world.SUM_DIGITS + 1)))
     torch.manual_seed(0)

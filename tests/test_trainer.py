@@ -111,7 +111,8 @@ def test_sigkill_at_any_point_resumes_from_last_complete_checkpoint(tmp_path, to
     """Killed while a checkpoint is written and again shortly into the resumed run, a run with save_freq 2 ends
     with each step's row in the log exactly once, in order; the rows up to the checkpoint it resumed from are
     the first run's."""
-    args = [sys.executable, os.path.join(ROOT, "trainer.py"), *toy_overrides(tmp_path, toy, "trainer.save_freq=2", steps=6)]
+    args = [sys.executable, os.path.join(ROOT, "trainer.py"),
+            *toy_overrides(tmp_path, toy, "trainer.save_freq=2", steps=6)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     tracker = tmp_path / "checkpoint_tracker.json"
 
@@ -208,7 +209,8 @@ def test_toy_configs_learn(tmp_path, toy, config, seed, steps, target):
 
 def test_a_wrong_reward_function_stops_the_run_before_the_data_is_read_or_a_file_written(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.data, "load_processor", lambda *a, **k: pytest.fail("data read before the reward"))
-    cfg = load_config(None, [f"trainer.save_checkpoint_path={tmp_path / 'run'}", "worker.reward.reward_function=r.py:f"])
+    cfg = load_config(None, [f"trainer.save_checkpoint_path={tmp_path / 'run'}",
+                             "worker.reward.reward_function=r.py:f"])
     with pytest.raises(ConfigError, match=r"reward_function='r\.py:f': file .*r\.py does not exist"):
         trainer.Run(cfg)
     assert not (tmp_path / "run").exists()

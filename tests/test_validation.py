@@ -22,7 +22,8 @@ def test_validation_over_several_batches_draws_new_streams_for_each():
 
 @pytest.mark.parametrize("override, n", [("{temperature: 0}", 1), ("{temperature: 0.6, n: 3}", 3)])
 def test_validation_draws_one_response_a_prompt_unless_val_override_config_sets_n(override, n):
-    """As EasyR1 means it (val_override_config.get("n", 1)); the training n made a greedy validation n times the work."""
+    """As EasyR1 means it (val_override_config.get("n", 1)); the training n made a greedy validation n times the
+    work."""
     run, asked = val_run(f"worker.rollout.val_override_config={override}", "worker.rollout.n=5", record="n")
     run.validate()
     assert asked == [n, n]
