@@ -3,7 +3,6 @@ wires them."""
 
 import ast
 import os
-import subprocess
 
 import pytest
 
@@ -43,24 +42,22 @@ def test_the_checker_catches_a_violation(tmp_path):
     assert stage_imports(str(bad)) == [(2, "advantage")]
 
 
+def python_files():
+    """Every Python file of the project: its modules, tests, benchmarks and configs' reward files."""
+    folders = [ROOT] + [os.path.join(ROOT, name) for name in ("tests", "benchmarks", "configs")]
+    return [os.path.join(d, name) for d in folders for name in sorted(os.listdir(d)) if name.endswith(".py")]
+
+
 def test_every_python_file_reads_in_one_sitting():
-    """No Python file of the project (modules, tests, benchmarks) is longer than 700 lines."""
-    paths = [os.path.join(folder, name)
-             for folder in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks"))
-             for name in sorted(os.listdir(folder)) if name.endswith(".py")]
-    long = {os.path.relpath(p, ROOT): n for p in paths if (n := sum(1 for _ in open(p))) > 700}
+    """No Python file of the project is longer than 700 lines."""
+    long = {os.path.relpath(p, ROOT): n for p in python_files() if (n := sum(1 for _ in open(p))) > 700}
     assert not long, f"files over 700 lines (split or trim them): {long}"
 
 
 def test_every_python_line_fits_in_120_characters():
-    """No line of a git-tracked Python file (modules, tests, benchmarks) is longer than 120 characters."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    names = [name for name in listed.split("\0") if name]
-    assert names, "git ls-files listed no Python file"
-    long = [f"{name}:{i} ({n} characters)" for name in names
-            for i, line in enumerate(open(os.path.join(ROOT, name), encoding="utf-8"), 1)
-            if (n := len(line.rstrip("\r\n"))) > 120]
+    """No line of a Python file of the project is longer than 120 characters."""
+    long = [f"{os.path.relpath(p, ROOT)}:{i} ({n} characters)" for p in python_files()
+            for i, line in enumerate(open(p, encoding="utf-8"), 1) if (n := len(line.rstrip("\r\n"))) > 120]
     assert not long, "lines over 120 characters (rewrap them):\n" + "\n".join(long)
 
 
