@@ -293,8 +293,8 @@ def check_config(cfg):
     if min(alg.kl_coef, o.weight_decay, o.lr_warmup_steps or 0) < 0 or not 0 <= o.lr_warmup_ratio <= 1 \
             or not 0 <= (o.min_lr_ratio or 0) <= 1:  # beta < 0 pushes away from the reference; a ratio > 1 lifts lr
         raise ConfigError(f"algorithm.kl_coef={alg.kl_coef}, worker.actor.optim.weight_decay={o.weight_decay}, "
-                          f"lr_warmup_steps={o.lr_warmup_steps} (>= 0), lr_warmup_ratio={o.lr_warmup_ratio}, "
-                          f"min_lr_ratio={o.min_lr_ratio} (in [0, 1]): out of range")
+                          f"lr_warmup_steps={o.lr_warmup_steps} (>= 0; null: the ratio), lr_warmup_ratio="
+                          f"{o.lr_warmup_ratio}, min_lr_ratio={o.min_lr_ratio} (in [0, 1]): out of range")
     if len(o.betas) != 2 or not all(type(b) in (int, float) and 0 <= b < 1 for b in o.betas):  # else AdamW fails
         raise ConfigError(f"worker.actor.optim.betas={o.betas} must be two numbers in [0, 1), as [0.9, 0.999]")
     if (lora := a.model.lora).rank < 0 or lora.rank and lora.alpha <= 0:  # alpha 0 zeroes every adapter's output

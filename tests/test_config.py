@@ -521,7 +521,7 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     ("data.seed=-8796093022208", "data.seed=-8796093022208 must be below 2**43 in size"),  # -2**43 x 1_000_003 too
     ("algorithm.kl_coef=-0.5", "algorithm.kl_coef=-0.5, worker"),  # away from the reference
     ("worker.actor.optim.weight_decay=-1", "weight_decay=-1.0"),  # adamw_bf16 would grow the weights
-    ("worker.actor.optim.lr_warmup_steps=-4", "lr_warmup_steps=-4 (>= 0)"),
+    ("worker.actor.optim.lr_warmup_steps=-1", "lr_warmup_steps=-1 (>= 0; null: the ratio)"),
     ("worker.actor.optim.lr_warmup_ratio=1.5", "lr_warmup_ratio=1.5"),  # lr would reach 0.6 x its peak at the end
     ("worker.actor.optim.min_lr_ratio=2", "min_lr_ratio=2.0 (in [0, 1])"),  # cosine would climb to 2 x the peak
     ("worker.rollout.max_model_len=4095", "max_model_len=4095 is below data.max_prompt_length + max_response_length"),
