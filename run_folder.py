@@ -163,9 +163,9 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
         if problem := checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
         log = os.path.join(root, LOG_FILES[0])  # val_only amends the step's row, or adds one (a resume cuts it)
-        trained = val_only and os.path.isfile(log) and (os.path.exists(os.path.join(root, TRACKER))  # a tracker or
-                                                        or re.search(rb'[{,] "(?!val|step")', open(log, "rb").read()))
-        if trained and not os.path.samefile(os.path.dirname(os.path.abspath(load_path)), root):  # a key not step/val*
+        other = not os.path.samefile(os.path.dirname(os.path.abspath(load_path)), root)  # another folder's checkpoint
+        if val_only and other and os.path.isfile(log) and (os.path.exists(os.path.join(root, TRACKER)) or re.search(
+                rb'[{,] "(?!val|step")', open(log, "rb").read())):  # root trained: a tracker, or a row's training key
             raise CheckpointError(f"trainer.val_only of trainer.load_checkpoint_path={load_path}, another folder's "
                                   f"checkpoint, would write its scores as step {name[1]}'s into {log}, another "
                                   f"run's: set trainer.save_checkpoint_path to a new folder")
