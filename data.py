@@ -5,7 +5,7 @@
                          drop_last=True, prefetch=True)
     batch = next(train)              # a list of prompt dicts, forever; train.current_epoch, train.batches_per_epoch
     for batch in val.epoch(): ...    # one whole epoch in order, the position unmoved (validation)
-    state = train.state_dict()       # plain ints; train.load_state_dict(state) resumes exactly there
+    state = train.state_dict()       # ints and bools; train.load_state_dict(state) resumes exactly there
 
 Pieces, usable alone: load_rows, check_rows, PromptBuilder (.build -> prompt, .measure -> length),
 process_image, process_video. Bad input raises DataError (a ValueError) that names the file and row.
@@ -79,7 +79,7 @@ class DataError(ValueError):
 
 def load_processor(tokenizer_path, cfg, trust_remote_code=False):
     """(processor, tokenizer): a vision model's AutoProcessor, or for a text model the tokenizer as both.
-    cfg.override_chat_template, when set, replaces both chat templates: the trainer decodes with the same."""
+    cfg.override_chat_template, when set, replaces both chat templates: both lay out a prompt alike."""
     config = AutoConfig.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
     auto = AutoProcessor if getattr(config, "vision_config", None) is not None else AutoTokenizer
     processor = auto.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
@@ -193,9 +193,9 @@ def _stop_prefetching():
 
 def check_rows(rows, builder, workers=1, skip_bad=False):
     """Indices of the rows to train on, every row measured at start-up by `workers` processes, its images and
-    videos decoded, so a bad row fails here and not mid-run (and again on every resume):
-      - a bad row (unreadable image or video, no or empty answer, empty prompt, placeholder count mismatch, a vision
-        token written as text): DataError naming the file and row, or with skip_bad skipped and counted in the log;
+    videos decoded, so a bad row fails here, not mid-run (where it would fail again after every resume):
+      - a bad row (unreadable image or video, no or empty answer, empty prompt, placeholder count mismatch, a chat,
+        EOS, pad or vision token written in it): DataError naming the file and row, or with skip_bad skipped, counted;
       - a row longer than max_prompt_length: dropped and counted with filter_overlong_prompts, else a bad row."""
     global _MEASURING
     cfg, limit, _MEASURING = builder.cfg, builder.cfg.max_prompt_length, (rows, builder)
@@ -203,7 +203,7 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     try:  # per row: its length, or the error message of a bad row
         if workers == 1:
             lengths = [_measure_row(i) for i in range(len(rows))]
-        else:  # nothing is pickled but the indices; a worker that dies raises BrokenProcessPool (a Pool would hang)
+        else:  # only indices and results are pickled; a worker that dies raises BrokenProcessPool (a Pool would hang)
             with concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("fork"),
                                                         torch.set_num_threads, (1,)) as pool:
                 lengths = list(pool.map(_measure_row, range(len(rows)), chunksize=-(-len(rows) // (4 * workers))))
@@ -300,7 +300,7 @@ class PromptBuilder:
             mrope = trained_positions(mrope[:, 0], out["mm_token_type_ids"][0])  # [3, P]
             position_ids = torch.cat([position_ids, mrope.to(position_ids.dtype)])  # [4, P]
         skip, answer = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}, row[cfg.answer_key]
-        # '7', not '7.0': type inference makes an integer column float (a blank CSV cell, or jsonl's 3 beside 2.5)
+        # '7', not '7.0': type inference makes an integer column float (jsonl's 3 beside 2.5; CSV answers are text)
         answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else \
             answer if isinstance(answer, (list, dict)) else str(answer)  # a list or dict as it is, as in EasyR1
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
@@ -371,7 +371,7 @@ class PromptBuilder:
         content = row.get(cfg.prompt_key)
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: no prompt text in column '{cfg.prompt_key}' ({content!r}; a string is needed)")
-        answer = row.get(cfg.answer_key)  # the reward compares with it: None, blank, [], () or {} is no answer
+        answer = row.get(cfg.answer_key)  # the reward compares with it: None, NaN, blank, [], () or {} is no answer
         if answer is None or not str(answer).strip() or isinstance(answer, (list, tuple, dict)) and not answer \
                 or isinstance(answer, float) and math.isnan(answer):
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
