@@ -218,12 +218,12 @@ def check_rows(rows, builder, workers=1, skip_bad=False):
     if bad and not skip_bad:
         raise DataError(f"{lengths[bad[0]]} (set data.skip_bad_rows: true to skip such rows)")
     if bad:
-        logger.warning(f"{rows.name}: skipped {len(bad)} of {len(rows)} bad rows (data.skip_bad_rows); the first: "
+        logger.warning(f"{rows.name}: skipped {len(bad)} of {len(rows)} rows as bad (data.skip_bad_rows); the first: "
                        + " | ".join(lengths[i] for i in bad[:3]))
     if cfg.filter_overlong_prompts:
         first = ", ".join(f"{rows.where(i)} ({lengths[i]})" for i in overlong[:3])
         (logger.warning if overlong else logger.info)(
-            f"{rows.name}: dropped {len(overlong)} of {len(rows) - len(bad)} rows longer than max_prompt_length="
+            f"{rows.name}: dropped {len(overlong)} of {len(rows) - len(bad)} rows as longer than max_prompt_length="
             f"{limit} tokens (image and video tokens included)"
             f"{f'; the first: {first}; raise max_prompt_length or lower max_pixels to keep them' if overlong else ''}")
     if not kept:

@@ -440,7 +440,7 @@ def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, t
     with caplog.at_level(logging.INFO, logger="data"):
         filtered = loader(toy["vl_model"], path, config(max_prompt_length=limit), batch_size=-1, shuffle=False)
     assert filtered.indices == [i for i, n in enumerate(lengths) if n <= limit]
-    assert f"dropped {dropped} of 12 rows longer than max_prompt_length={limit}" in caplog.text
+    assert f"dropped {dropped} of 12 rows as longer than max_prompt_length={limit}" in caplog.text
     first = next(i for i, n in enumerate(lengths) if n > limit)  # named, with its length
     assert f"the first: {path} row {first} ({lengths[first]})" in caplog.text
     assert all(len(p["prompt_ids"]) <= limit for p in next(filtered))
@@ -456,7 +456,7 @@ def test_measured_length_is_exact_and_the_filter_drops_overlong_rows(tmp_path, t
     with caplog.at_level(logging.INFO, logger="data"):
         skipping = loader(toy["vl_model"], path, replace(unfiltered, skip_bad_rows=True), batch_size=-1, shuffle=False)
     assert skipping.indices == filtered.indices
-    assert f"skipped {dropped} of 12 bad rows (data.skip_bad_rows); the first: " in caplog.text
+    assert f"skipped {dropped} of 12 rows as bad (data.skip_bad_rows); the first: " in caplog.text
     assert f"mix.parquet row {first_long}: the prompt is {lengths[first_long]} tokens" in caplog.text
     with pytest.raises(data.DataError, match="no row left: 12 longer than max_prompt_length=5"):
         data.check_rows(source, builder(toy["vl_model"], config(max_prompt_length=5)))
