@@ -8,7 +8,7 @@
 
 Reads worker.rollout (config.py's RolloutConfig) and three attributes the loop adds to it: limit_videos (the most
 videos in one row of the data; trainer.py), trust_remote_code and override_config (workers.py). Imports modeling.py
-(its dtype names and apply_overrides): copy both.
+(its dtype names and apply_overrides): take it along to reuse this file.
 
 Prompt keys read (made by data.py): uid; hf: prompt_ids (image and video placeholders expanded),
 multi_modal_inputs (MM_KEYS, concatenated over the batch), position_ids ([4, P] Qwen-VL, [1, P] text; optional
@@ -23,11 +23,11 @@ Each response is a dict:
                                 (after the placeholder ban, temperature, top-k and top-p), same length
     finish_reason:  "stop" | "length"   (length = no EOS within max_tokens: truncated)
 generate(prompts, n) returns len(prompts) * n of them, grouped: prompt i owns positions i*n .. i*n+n-1.
-Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j). The image and video
-placeholder tokens are banned: a sampled one would break the actor's forward.
+Sample j of prompt i draws from its own stream, seeded derive_seed(seed, i, j) (vLLM with TP > 1: i and seed are
+its TP group's, VLLMRollout). Image and video placeholder tokens are banned: a sampled one breaks the actor's forward.
 
-Both engines hold their OWN full copy of the weights (LoRA arrives merged): ranks decode different numbers of
-steps, and a forward of the FSDP-sharded training module would deadlock in its all-gathers.
+Both engines hold their OWN copy of the weights (LoRA arrives merged; vLLM's a tensor-parallel slice): ranks decode
+different numbers of steps, and a forward of the FSDP-sharded training module would deadlock in its all-gathers.
 """
 
 import functools
