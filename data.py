@@ -257,8 +257,8 @@ class PromptBuilder:
         self.image_processor, self.rope_model, self.video_span = getattr(processor, "image_processor", None), None, None
         if self.image_processor is not None:
             # on the meta device: get_rope_index reads only the config, so positions are the model's own per family
-            config = model if not isinstance(model, (str, os.PathLike)) else \
-                AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code) \
+                if isinstance(model, (str, os.PathLike)) else model
             with torch.device("meta"):
                 self.rope_model = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
             if not hasattr(self.rope_model, "get_rope_index"):
@@ -301,8 +301,8 @@ class PromptBuilder:
             position_ids = torch.cat([position_ids, mrope.to(position_ids.dtype)])  # [4, P]
         skip, answer = {cfg.prompt_key, cfg.answer_key, cfg.image_key, cfg.video_key}, row[cfg.answer_key]
         # '7', not '7.0': type inference makes an integer column float (jsonl's 3 beside 2.5; CSV answers are text)
-        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else \
-            answer if isinstance(answer, (list, dict)) else str(answer)  # a list or dict as it is, as in EasyR1
+        if not isinstance(answer, (list, dict)):  # a list or dict as it is, as in EasyR1
+            answer = str(int(answer) if isinstance(answer, float) and answer.is_integer() else answer)
         return {"uid": f"0-{index}", "index": index, "prompt_ids": ids.tolist(), "raw_prompt_ids": raw_ids,
                 "prompt_text": text, "images": images, "videos": frames, "video_metadata": metadata,
                 "multi_modal_inputs": {k: out[k] for k in MM_KEYS if k in out}, "position_ids": position_ids,
@@ -323,10 +323,10 @@ class PromptBuilder:
         # Frames are sampled already: the processor must not sample again (Qwen3-VL's would), and reads the
         # metadata for Qwen3-VL's timestamps and Qwen2.5-VL's seconds per temporal patch.
         video_kwargs = {"videos": frames, "do_sample_frames": False, "video_metadata": metadata} if videos else {}
+        text_in = text.replace(self.video_span, self.processor.video_token) if videos and self.video_span else text
         try:
-            out = self.processor(text=[text.replace(self.video_span, self.processor.video_token) if videos and
-                                       self.video_span else text], images=images or None, add_special_tokens=False,
-                                 return_tensors="pt", **video_kwargs)
+            out = self.processor(text=[text_in], images=images or None, add_special_tokens=False, return_tensors="pt",
+                                 **video_kwargs)
         except Exception as e:
             raise DataError(f"{where}: the processor failed on this row: {e!r}") from e
         return text, raw_ids, out, images, frames, metadata
@@ -372,8 +372,8 @@ class PromptBuilder:
         if not isinstance(content, str) or not content.strip():
             raise DataError(f"{where}: no prompt text in column '{cfg.prompt_key}' ({content!r}; a string is needed)")
         answer = row.get(cfg.answer_key)  # the reward compares with it: None, NaN, blank, [], () or {} is no answer
-        if answer is None or not str(answer).strip() or isinstance(answer, (list, tuple, dict)) and not answer \
-                or isinstance(answer, float) and math.isnan(answer):
+        if answer is None or isinstance(answer, float) and math.isnan(answer) or not str(answer).strip() \
+                or isinstance(answer, (list, tuple, dict)) and not answer:
             raise DataError(f"{where}: no answer in column '{cfg.answer_key}' ({answer!r})")
         if self.template:
             try:  # a runtime error of the template ({{ content.foo.bar }} with StrictUndefined): this row's
