@@ -151,7 +151,7 @@ class HFRollout:
         if positions is None and not mm:
             positions = torch.arange(length)[None]
         shape = None if positions is None else tuple(torch.as_tensor(positions).shape)
-        if shape not in ((self.position_rows if mm else 1, length), (self.position_rows, length)):
+        if shape != (self.position_rows, length) and (mm or shape != (1, length)):  # text-only: (1, P) expands too
             raise ValueError(f"prompt {index} (uid {prompt.get('uid')}): position_ids of shape {shape}, expected "
                              f"({self.position_rows}, {length}){'' if mm else f' or (1, {length})'}; image prompts "
                              "need data.py's mrope position_ids [4, P]")
@@ -244,7 +244,7 @@ class VLLMRollout:
         self.SamplingParams, self.bias = vllm.SamplingParams, {t: -100.0 for t in self.banned_ids} or None
         limits = {"video": getattr(cfg, "limit_videos", 0)}  # 0: no memory profiled or reserved for a video
         limits |= {"image": cfg.limit_images} if cfg.limit_images > 0 else {}
-        self.video_metadata = VIDEO_METADATA.get(config.model_type)
+        self.metadata_as = VIDEO_METADATA.get(config.model_type)  # "pair", "kwargs" or None
         extra = {"limit_mm_per_prompt": limits} if hasattr(config, "vision_config") else {}
         self.llm = vllm.LLM(
             model=model_path, tokenizer=tokenizer_path, load_format="dummy",
@@ -284,11 +284,11 @@ class VLLMRollout:
         requests = []
         for prompt in group:
             videos, metadata = prompt["videos"], prompt["video_metadata"]
-            if videos and self.video_metadata == "pair":  # frames sampled by data.py: vLLM must not sample again
+            if videos and self.metadata_as == "pair":  # frames sampled by data.py: vLLM must not sample again
                 videos = [(v, {**m, "do_sample_frames": False}) for v, m in zip(videos, metadata)]
             media = {kind: items for kind, items in (("image", prompt["images"]), ("video", videos)) if items}
             request = {"prompt_token_ids": prompt["raw_prompt_ids"]} | ({"multi_modal_data": media} if media else {})
-            if videos and self.video_metadata == "kwargs":
+            if videos and self.metadata_as == "kwargs":
                 request["mm_processor_kwargs"] = {"video_metadata": metadata}
             requests += [request] * n
         params = [self.SamplingParams(  # n requests of one sample each (sample j of prompt i: k = i * n + j)
