@@ -11,7 +11,7 @@ Pieces, usable alone: load_rows, check_rows, PromptBuilder (.build -> prompt, .m
 process_image, process_video. Bad input raises DataError (a ValueError) that names the file and row.
 
 The prompt dict (one per row; read by rollout.py, trainer.py, actor.py), built lazily per batch, ragged:
-    uid                 str         f"{epoch}-{index}": unique per prompt within a run (the trainer may overwrite)
+    uid                 str         f"{epoch}-{index}": unique within one loader (trainer.py renames training ones)
     index               int         row number in the source (over all its files, before filtering)
     prompt_ids          list[int]   chat-templated prompt, image and video placeholders EXPANDED (for the actor)
     raw_prompt_ids      list[int]   the same UNexpanded: one <|image_pad|> / <|video_pad|> each (for vLLM)
