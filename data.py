@@ -482,7 +482,7 @@ def process_video(video, min_pixels, max_pixels, fps, image_dir=None, factor=28)
                 frames.append(numpy.asarray(process_image(frame.to_image(), min_pixels, cap)))
             decoded = i + 1
     if len(frames) < len(indices):
-        raise ValueError(f"only {decoded} of the {total} frames its header announces decode: truncated or corrupt")
+        raise ValueError(f"only {decoded} of the {total} frames its container lists decode: truncated or corrupt")
     return numpy.stack(frames), {"fps": rate, "duration": total / rate, "total_num_frames": total,  # [T, H, W, 3]
                                  "frames_indices": indices, "video_backend": "pyav"}
 

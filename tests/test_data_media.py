@@ -390,7 +390,7 @@ def test_a_video_file_cut_after_its_header_is_an_error_and_one_without_a_frame_c
                 packet.stream = out
                 dst.mux(packet)
     whole = open(path, "rb").read()
-    with pytest.raises(ValueError, match="of the 16 frames its header announces decode"):
+    with pytest.raises(ValueError, match="of the 16 frames its container lists decode"):
         data.process_video(whole[:len(whole) // 2], 3136, 12544, 4.0)
     buf = io.BytesIO()
     with av.open(buf, "w", format="matroska") as c:
