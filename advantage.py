@@ -180,7 +180,7 @@ class AdaptiveKLController:
         self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
 
     def update(self, current_kl, n_steps):
-        if not math.isfinite(current_kl) or n_steps >= 5 * self.horizon:  # beta NaN for good, or turned negative
+        if not math.isfinite(current_kl) or n_steps >= 5 * self.horizon:  # beta NaN for good, or zero or negative
             raise ValueError(f"current_kl={float(current_kl)} must be finite and n_steps={n_steps} must be below 5 x "
                              f"horizon = {5 * self.horizon:g}")
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
@@ -191,9 +191,9 @@ class AdaptiveKLController:
 
 def groups_to_keep(values, uids, low, high, spread=None, unique_top=False):
     """The set of uids whose groups are worth training on: low < mean_g(values) < high (values: one per response,
-    e.g. the filter_key score) and, given `spread` (the scores the advantages use), max_g - min_g of spread > FLAT:
-    a ZERO_WHEN_FLAT estimator gives a flat group all-zero advantages; unique_top: and one response at the top of
-    spread (grpo_passk gives a shared top 0 too). spread=None tests only the mean, as EasyR1."""
+    e.g. the filter_key score) and, given `spread` (the raw scores, before any KL in the reward), max_g - min_g of
+    spread > FLAT: a ZERO_WHEN_FLAT estimator gives a flat group all-zero advantages; unique_top: and one response at
+    the top of spread (grpo_passk gives a shared top 0 too). spread=None tests only the mean, as EasyR1."""
     s = group_stats(values, uids, allow_singletons=True)
     keep = (s.mean > low) & (s.mean < high)  # [G]
     if spread is not None:  # the same groups in the same order: by first appearance
