@@ -41,8 +41,8 @@ def grpo_passk(scores, uids, eps=1e-6, allow_singletons=False):
     """
     s = group_stats(scores, uids, allow_singletons)
     is_top = s.x == s.max[s.g]                                             # [N]
-    below = group_reduce(torch.where(is_top, -torch.inf, s.x), s.g, len(s.n), "amax")  # [G]
-    adv = torch.where(is_top & (s.tops == 1)[s.g], ((s.max - below) / (s.std + eps))[s.g], 0.0)  # [N]
+    second = group_reduce(torch.where(is_top, -torch.inf, s.x), s.g, len(s.n), "amax")  # [G] best below the max
+    adv = torch.where(is_top & (s.n_top == 1)[s.g], ((s.max - second) / (s.std + eps))[s.g], 0.0)  # [N]
     return torch.where(s.flat[s.g], 0.0, adv).float()
 
 
@@ -198,7 +198,7 @@ def groups_to_keep(values, uids, low, high, spread=None, unique_top=False):
     keep = (s.mean > low) & (s.mean < high)  # [G]
     if spread is not None:  # the same groups in the same order: by first appearance
         t = group_stats(spread, uids, allow_singletons=True)
-        keep &= ~t.flat & ((t.tops == 1) if unique_top else True)  # grpo_passk: a shared top is 0 too
+        keep &= ~t.flat & ((t.n_top == 1) if unique_top else True)  # grpo_passk: a shared top is 0 too
     return {s.names[i] for i in torch.nonzero(keep).flatten().tolist()}
 
 
@@ -230,7 +230,7 @@ def as_scores(scores, uids, what="score"):
 def group_stats(scores, uids, allow_singletons=False, what="score"):
     """The groups of `scores` by uid: x [N] f64 (checked scores), g [N] group numbers, names [G] (the uids as given,
     in order of first appearance) and per group [G] n (size), mean, std (unbiased, two-pass), max, flat (max - min
-    <= FLAT), tops (responses at the max). A group of one raises unless allow_singletons (then flat)."""
+    <= FLAT), n_top (responses at the max). A group of one raises unless allow_singletons (then flat)."""
     x, uids = as_scores(scores, uids, what), uids.tolist() if hasattr(uids, "tolist") else uids  # a tensor: values
     try:
         index = {}
@@ -245,10 +245,10 @@ def group_stats(scores, uids, allow_singletons=False, what="score"):
                          f"per prompt (worker.rollout.n), or pass allow_singletons=True to give them advantage 0")
     mean = group_reduce(x, g, len(n)) / n
     std = torch.sqrt(group_reduce((x - mean[g]) ** 2, g, len(n)) / (n - 1).clamp(min=1))
-    top = group_reduce(x, g, len(n), "amax")
-    flat = top - group_reduce(x, g, len(n), "amin") <= FLAT
-    tops = group_reduce((x == top[g]).double(), g, len(n))  # responses at the group's max
-    return types.SimpleNamespace(x=x, g=g, names=names, n=n, mean=mean, std=std, max=top, tops=tops, flat=flat)
+    high = group_reduce(x, g, len(n), "amax")
+    flat = high - group_reduce(x, g, len(n), "amin") <= FLAT
+    n_top = group_reduce((x == high[g]).double(), g, len(n))  # responses at the group's max
+    return types.SimpleNamespace(x=x, g=g, names=names, n=n, mean=mean, std=std, max=high, n_top=n_top, flat=flat)
 
 
 def group_reduce(x, g, n_groups, reduce="sum"):
