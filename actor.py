@@ -9,7 +9,7 @@ and save_checkpoint / load_checkpoint. The objective (policy_loss, aggregate_los
 below) needs only torch; the Actor needs modeling.py and a worker.actor section as its cfg (config.py's ActorConfig).
 
 A sample (built by trainer.py) holds:
-    uid                 str          its prompt's group id (workers.py keeps a group on one rank; named in errors)
+    uid                 str          its prompt's group id, for errors (workers.py keeps a group on one rank if it can)
     prompt_ids          list[int]    chat-templated prompt, image placeholders expanded
     response_ids        list[int]    may be empty
     position_ids        Tensor [R, P] the PROMPT's positions (R = 4 for Qwen-VL: text row + 3 mrope rows; 1 for
@@ -550,7 +550,7 @@ class Actor:
         return [sorted(i for u in part for i in units[u]) for part in partition_balanced(unit_lengths, k)]
 
     def _pack(self, samples, idx):
-        """Pack samples[idx] (a dummy one-token sample when idx is empty) and move its tensors to the device."""
+        """Pack samples[idx] (a dummy two-token sample when idx is empty) and move its tensors to the device."""
         chosen = [samples[i] for i in idx] or [{"prompt_ids": [self.pad_id], "response_ids": [self.pad_id]}]
         batch = pack_samples(chosen, self.is_vl, names=[f"sample {i}" for i in idx] or ["dummy"], **self.token_ids,
                              merge=self.dummy_vision[2] if self.is_vl else None)
