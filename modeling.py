@@ -591,9 +591,9 @@ class AdamWBF16(torch.optim.Optimizer):
 # --- FLOPs, weights, devices ---------------------------------------------------------------------------------------
 
 def count_flops_params(hf, text_config):
-    """Parameter counts for the FLOP estimate: {"body": text parameters run on every token (the input embedding
-    is a lookup, not counted), "head": the LM head (vocab x hidden, also when tied to the embedding), "vision":
-    vision tower parameters (per patch), "attention": head_dim x heads x layers}."""
+    """Parameter counts for the FLOP estimate: {"body": text parameters but the input embedding (a lookup), counted on
+    every token (a mixture's idle experts too: MFU reads high), "head": the LM head (vocab x hidden, also when tied to
+    the embedding), "vision": vision tower parameters (per patch), "attention": head_dim x heads x layers}."""
     head = hf.get_output_embeddings().weight
     vision = sum(p.numel() for name, p in hf.named_parameters() if ".visual." in f".{name}")
     body = sum(p.numel() for name, p in hf.named_parameters()
