@@ -384,7 +384,7 @@ def check_config(cfg):
                        "GPU has it", a.fsdp.mp_param_dtype, a.fsdp.torch_dtype)
     if alg.gamma != 1.0:
         raise ConfigError("algorithm.gamma must be 1.0: returns are undiscounted sums of the response's token "
-                          "rewards (a discount, which EasyR1 applies in REINFORCE++ only, is not supported)")
+                          "rewards (a discount, which EasyR1 applies in REINFORCE++ and GAE, is not supported)")
     if a.ulysses_size != 1 or not a.padding_free:  # EasyR1's keys, kept so that its configs load
         raise ConfigError(f"worker.actor.ulysses_size={a.ulysses_size}, padding_free={a.padding_free}: only 1 and "
                           "true are supported (no sequence parallelism; the actor always packs sequences)")
