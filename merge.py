@@ -146,7 +146,7 @@ def merged_tensor(loaded, key, lora, dtype=None):
     """The tensor to write for one plan entry (popped from `loaded`). For an adapted linear, from the checkpoint's
     W [out, in], A [r, in], B [out, r]:
         W' = W + scale * B @ A,  scale = alpha / r  (alpha / sqrt(r) with use_rslora),  transposed if fan_in_fan_out,
-    summed in fp32 and rounded once, to `dtype` (--dtype) or else W's stored dtype, as peft's merge_and_unload does."""
+    summed in fp32, rounded once to `dtype` (--dtype), else to W's stored dtype (peft's merge_and_unload: twice)."""
     weight = loaded.pop(key)
     if lora is None:
         return weight
