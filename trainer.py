@@ -43,7 +43,7 @@ LOGP_DIFF_ALARM = 0.5  # nats: a mean |rollout - actor| log-prob gap above this 
 # --- The loop ---------------------------------------------------------------------------------
 
 class Run:
-    """Driver state: config, data, workers, loggers. Only plain lists and dicts cross to the workers."""
+    """Driver state: config, data, workers, loggers. Workers get the config once, then lists of dicts (no DataProto)."""
 
     def __init__(self, cfg):
         self.cfg, t, d, a = cfg, cfg.trainer, cfg.data, cfg.algorithm
@@ -126,7 +126,7 @@ class Run:
         self.train_iter = iter(self.train_loader)
 
     def fit(self):
-        """Train: validation every val_freq steps and at the end, checkpoints every save_freq; -> the last metrics."""
+        """Train: validate every val_freq steps, save every save_freq, both at the last step; -> the last metrics."""
         t, metrics = self.cfg.trainer, {}
         if self.step >= self.training_steps and not t.val_only:
             print(f"step {self.step} of {self.training_steps} done: nothing left to train (raise trainer.max_steps)")
@@ -310,9 +310,9 @@ class Run:
         return metrics
 
     def save_checkpoint(self, metrics):
-        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, then trainer_state.json and the tracker
-        naming N, each atomically; then remove old checkpoints. A checkpoint counts once the tracker names it;
-        a resume cuts the log back to the rows of steps up to N (Logger.rewind), so each step's row is there once."""
+        """Write global_step_N/ (actor/, dataloader.pt), log the step's row, then trainer_state.json, the run folder's
+        experiment_config.json and the tracker naming N, each atomically; then remove old checkpoints. A checkpoint
+        counts once the tracker names it; a resume cuts the log back to its steps (Logger.rewind): one row a step."""
         t = self.cfg.trainer
         path = os.path.join(self.ckpt_root, f"global_step_{self.step}")
         try:
