@@ -83,10 +83,10 @@ class Logger:
             os.fsync(f.fileno())
 
     def rewind(self, step, generations=None):
-        """Cut each of the LOG_FILES back to its rows of steps <= `step` (the checkpoint resumed from; -1: fresh start;
-        generations.log to `generations` if given: a resume that validates first logs step's generations again) from
-        the first row of a later step or cut short (rows are in step order), saying so. By step, not byte size: amend
-        rewrites the checkpoint's row to a new size. TensorBoard hides later steps' earlier events (its purge_step)."""
+        """Truncate each of the LOG_FILES at its first row of a step after `step` (the checkpoint resumed from; -1: a
+        fresh start) or cut short, saying so (rows are in step order); generations.log after `generations` instead, if
+        given (a resume that validates first logs step's generations again). By step, not byte size: amend rewrites
+        the checkpoint's row to a new size. TensorBoard hides later steps' earlier events (its purge_step)."""
         self.purge_step = step + 1
         for f, last in ((self.jsonl, step), (self.generations, step if generations is None else generations)):
             lines = open(f.name, "rb").readlines()  # rows are {"step": N, ...}\n; no match: a row cut short
@@ -151,14 +151,14 @@ class CheckpointError(RuntimeError):
 
 
 def find_checkpoint(root, load_path, find_last, val_only=False):
-    """The global_step_N folder to resume from (no Ray), or None for a fresh start (no checkpoint, or not `find_last`:
-    the earlier run's files then go aside, unless `val_only`). An explicit `load_path` must be complete (a later one in
-    root: a warning; with `val_only`, another folder's into a root that holds a training run: an error); else the
-    tracker's, or the newest complete one if that is incomplete or the tracker unreadable; none complete: a fresh start
-    without a tracker, a CheckpointError with one."""
+    """The global_step_N folder to resume from, checked complete (no Ray): `load_path` if given (a later complete one
+    in root: a warning; with `val_only`, another folder's into a root that holds a training run: an error); else the
+    tracker's, or the newest complete one if that is incomplete or the tracker unreadable. None for a fresh start: no
+    checkpoint in root; or not `find_last`, or none complete and no tracker (with one: a CheckpointError), these two
+    moving the earlier run's files aside unless `val_only`."""
     if load_path is not None:
-        name = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
-        if not name or not os.path.isdir(load_path):
+        match = STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(load_path)))
+        if not match or not os.path.isdir(load_path):
             raise CheckpointError(f"trainer.load_checkpoint_path={load_path} must be an existing global_step_N folder")
         if problem := checkpoint_problem(load_path):
             raise CheckpointError(f"cannot resume from trainer.load_checkpoint_path={load_path}: {problem}")
@@ -167,13 +167,13 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
         if val_only and other and os.path.isfile(log) and (os.path.exists(os.path.join(root, TRACKER)) or re.search(
                 rb'[{,] "(?!val|step")', open(log, "rb").read())):  # root trained: a tracker, or a row's training key
             raise CheckpointError(f"trainer.val_only of trainer.load_checkpoint_path={load_path}, another folder's "
-                                  f"checkpoint, would write its scores as step {name[1]}'s into {log}, another "
+                                  f"checkpoint, would write its scores as step {match[1]}'s into {log}, another "
                                   f"run's: set trainer.save_checkpoint_path to a new folder")
-        if later := [s for s in saved_steps(root) if s > int(name[1])
+        if later := [s for s in saved_steps(root) if s > int(match[1])
                      and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]:
             print(f"warning: {root} holds global_step_{later[-1]}, a complete checkpoint later than trainer.load_"
-                  f"checkpoint_path={load_path}: unless trainer.val_only, steps after {name[1]} run again (checkpoints "
-                  f"moved aside, log rows cut); unset trainer.load_checkpoint_path to resume from it", flush=True)
+                  f"checkpoint_path={load_path}: unless trainer.val_only, steps after {match[1]} run again (checkpoints"
+                  f" moved aside, log rows cut); unset trainer.load_checkpoint_path to resume from it", flush=True)
         return load_path
     tracker, steps, problems = os.path.join(root, TRACKER), saved_steps(root)[::-1], []
     if not find_last:  # a fresh start: the earlier run's files go aside (none cut, overwritten or rotated away)
@@ -204,14 +204,13 @@ def find_checkpoint(root, load_path, find_last, val_only=False):
 
 
 def set_aside_later(root, path, step, best):
-    """A resume from `path` (step `step`): root's complete checkpoints of later steps (they run again) go to
-    earlier_<time>/ with a copy of the logs, which hold their rows (the resume cuts those here), and of the settings
-    that trained them (the resume's first save writes its own into experiment_config.json), and the tracker names
-    `step`, so that folders, tracker and logs agree even if this run stops before saving (a later incomplete folder
-    stays until its step is saved). `path` another folder's: root's run is another's (or an earlier attempt's), so
-    all its checkpoints, its tracker, metrics.png and tensorboard/ go aside (a writer's purge_step would hide its
-    events), not left for rotation to remove. -> the last step whose log rows stay here (-1: all are cut; they are
-    copied aside even if root's run saved nothing, or root holds validations)."""
+    """A resume from `path` (step `step`). `path` in root: root's complete checkpoints of later steps, which run again,
+    go to earlier_<time>/ with a copy of the logs (their rows, which the resume cuts here) and of experiment_config.json
+    (their settings; the resume's first save writes its own), and the tracker then names `step`: folders, tracker and
+    logs agree even if this run stops before saving (a later incomplete folder stays until its step is saved). `path`
+    another folder's: root's run is another's (or an earlier attempt's), so all of it goes aside, not left for rotation
+    (every checkpoint, the tracker, metrics.png, tensorboard/: a writer's purge_step would hide its events), the logs
+    copied even if it saved nothing. -> the last step whose log rows stay here: `step`, or -1 (all are cut)."""
     inside = os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
     moved = [f"global_step_{s}" for s in saved_steps(root)
              if not inside or s > step and not checkpoint_problem(os.path.join(root, f"global_step_{s}"))]
@@ -227,7 +226,7 @@ def set_aside_later(root, path, step, best):
 
 def move_aside(root, why, names=None, copies=()):
     """Move root's `names` (default: a run's logs, tracker and checkpoints) to a new root/earlier_<time>/, with a copy
-    of those of `copies` that are there (those alone, if one is not empty: a new folder too), saying so."""
+    of those of `copies` that are there, saying so; no names: a new folder for the copies alone, if one is not empty."""
     run = (*LOG_FILES, TRACKER, "experiment_config.json", "metrics.png", "tensorboard")
     names = [n for n in os.listdir(root) if n in run or STEP_FOLDER.fullmatch(n)] if names is None else names
     copied = [name for name in copies if os.path.isfile(os.path.join(root, name))]
