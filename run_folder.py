@@ -25,7 +25,8 @@ LOGGERS = {"console": None, "file": None, "tensorboard": "tensorboard", "wandb":
 
 class Logger:
     """Console (progress bar, a line per step), JSONL (always, appended), and TensorBoard, W&B, MLflow, SwanLab when
-    asked, as EasyR1 calls them (SwanLab reads SWANLAB_API_KEY, SWANLAB_DIR and SWANLAB_MODE)."""
+    asked, called as EasyR1 calls them but writing into root: tensorboard/ (EasyR1: $TENSORBOARD_DIR/<project>/<exp>),
+    swanlab/ unless SWANLAB_DIR is set (SwanLab also reads SWANLAB_API_KEY and SWANLAB_MODE)."""
 
     def __init__(self, root, names, cfg):
         self.jsonl, self.generations = (open(os.path.join(root, name), "a") for name in LOG_FILES)
