@@ -217,9 +217,9 @@ class Run:
             with timer(metrics, "reward"):
                 batch_scores = self.score(batch, outs)
             all_scores += batch_scores
-            if a.online_filtering and (lack := [s for s in batch_scores if a.filter_key not in s]):
-                raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*lack[0]]}")
             if a.online_filtering:  # flat groups go only where their advantages would be 0 (or the KL's alone)
+                if lack := [s for s in batch_scores if a.filter_key not in s]:
+                    raise ConfigError(f"algorithm.filter_key={a.filter_key!r}: the reward returns {[*lack[0]]}")
                 flat_is_zero = a.adv_estimator in advantage.ZERO_WHEN_FLAT  # spread: of the raw overall scores
                 keep = advantage.groups_to_keep([s[a.filter_key] for s in batch_scores], [r["uid"] for r in outs],
                                                 low=a.filter_low, high=a.filter_high,
