@@ -5,8 +5,8 @@
 
 Defaults are EasyR1's `examples/config.yaml` with its geo3k script's data and model, but for the actor's offload and
 the logger (README); configs/geo3k.yaml documents every key. load_config merges defaults <- YAML file <- `a.b.c=value`
-overrides with OmegaConf, as EasyR1: a value must fit its key's type (`n=2.5` fails), `a,b` sets a list key, a dict
-key given whole is replaced, and an unknown key names the closest valid one (EASYR1_ONLY's: why they are not here).
+overrides with OmegaConf, as EasyR1 does (a value must fit its key's type: `n=2.5` fails); unlike it, `a,b` sets a list
+key, a dict key given whole is replaced, and an unknown key names the closest valid one (EASYR1_ONLY's: why not here).
 check_config checks values against each other; trainer.check_choices those each stage lists in its own table."""
 
 import dataclasses
