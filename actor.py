@@ -455,11 +455,12 @@ class Actor:
             raise FileNotFoundError(f"Actor.load_checkpoint: {path} lacks {', '.join(missing)}; expected the folder "
                                     "that Actor.save_checkpoint wrote (global_step_N/actor, not save_model_only)")
         extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)  # tensors and plain containers
-        adapter = os.path.join(path, "huggingface", "adapter_config.json")  # LoRA checkpoints: its rank
+        adapter = os.path.join(path, "huggingface", "adapter_config.json")  # older LoRA checkpoints: their rank
+        lora = extra.get("lora") or ({"rank": json.load(open(adapter))["r"]} if os.path.exists(adapter) else {})
         mine = {"optim.strategy": self.cfg.optim.strategy, "model.lora.rank": self.lora_rank}
         saved = {"optim.strategy": extra.get("optim_strategy", mine["optim.strategy"]),  # older checkpoints: unknown
-                 "model.lora.rank": json.load(open(adapter))["r"] if os.path.exists(adapter) else 0}
-        for key, value in (extra.get("lora") or {}).items() if self.lora_rank else ():  # alpha, target_modules, ...
+                 "model.lora.rank": lora.get("rank", 0)}
+        for key, value in lora.items() if self.lora_rank else ():  # alpha, target_modules, ...
             mine[f"model.lora.{key}"], saved[f"model.lora.{key}"] = getattr(self.cfg.model.lora, key), value
         if self.optimizer is not None and (keys := [k for k in mine if saved[k] != mine[k]]):
             raise ValueError(f"{path} holds the state of {', '.join(f'{k}={saved[k]}' for k in keys)}, this run has "

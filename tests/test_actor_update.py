@@ -628,6 +628,9 @@ def test_a_resume_across_lora_and_full_fine_tuning_names_both(toy, tmp_path):
                                                "model.lora.target_modules=q_proj,v_proj")):
         with pytest.raises(ValueError, match=f"holds the state of {message}"):
             make_actor(cfg).load_checkpoint(str(tmp_path / path))
+    os.remove(tmp_path / "lora" / "huggingface" / "adapter_config.json")  # the rank is in extra_state.pt too
+    with pytest.raises(ValueError, match="holds the state of model.lora.rank=4, this run has model.lora.rank=0"):
+        make_actor(full).load_checkpoint(str(tmp_path / "lora"))
 
 
 def test_lora_on_a_head_tied_to_the_embeddings_is_refused(toy, tmp_path):
