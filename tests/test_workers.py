@@ -175,13 +175,20 @@ def test_one_worker_with_a_reference_and_mixed_precision_still_runs_fsdp2(monkey
     assert started == ["gloo"]
 
 
-def test_a_steps_memory_peaks_start_at_its_weight_sync():
+def test_a_steps_memory_peaks_start_at_its_weight_sync(monkeypatch):
+    """The last step's peaks (update: 9 GiB) are dropped at the sync, whose own peak is kept: 3 GiB in use after its
+    KV-cache wake-up (1 GiB before). The device is a stand-in, so the sync's peak is recorded on a CPU too."""
+    used = [2**30]
+    monkeypatch.setattr(workers.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(workers.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(workers.torch.cuda, "mem_get_info", lambda device: (100 * 2**30 - used[0], 100 * 2**30))
     worker = workers.Worker()
     worker.memory = {"update": 9.0}  # the last step's peak
     worker.actor = types.SimpleNamespace(named_tensors=lambda: iter(()))
-    worker.rollout = types.SimpleNamespace(load_weights=lambda tensors: list(tensors), wake_up=lambda: None)
+    worker.rollout = types.SimpleNamespace(load_weights=lambda tensors: list(tensors),
+                                           wake_up=lambda: used.__setitem__(0, 3 * 2**30))
     worker.sync_weights()
-    assert worker.memory == {}
+    assert worker.memory == {"sync": 3.0}
 
 
 def test_a_phases_peak_counts_what_it_allocated_last(monkeypatch):
