@@ -1,11 +1,13 @@
 """data.py's images and videos alone: sizes by hand, every accepted form, colours as a viewer shows them, files
 closed, frames sampled and decoded, the loader's documented order (the prompts that carry them: test_data.py)."""
 
+import gc
 import io
 import os
 import random
 import re
 import shutil
+import warnings
 
 import numpy
 import pandas as pd
@@ -88,12 +90,17 @@ def test_transparent_16_bit_and_rotated_images_keep_what_a_viewer_shows(tmp_path
 
 
 def test_an_image_file_is_closed_once_read(tmp_path):
-    """A multi-page RGB TIFF in range is returned as opened: its file must not stay open with the prompt."""
+    """A multi-page TIFF keeps its file open after its pixels are read: data.py closes it, leaving no descriptor open
+    with the prompt and none to the garbage collector, which closes a forgotten one with a ResourceWarning."""
     pages = [Image.new("RGB", (60, 60), c) for c in ((255, 0, 0), (0, 255, 0))]
     pages[0].save(tmp_path / "p.tiff", save_all=True, append_images=pages[1:])
     before = len(os.listdir("/proc/self/fd"))
-    kept = [data.process_image(str(tmp_path / "p.tiff"), 1000, 100000) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        kept = [data.process_image(str(tmp_path / "p.tiff"), 1000, 100000) for _ in range(3)]
+        gc.collect()
     assert len(os.listdir("/proc/self/fd")) == before and kept[0].getpixel((0, 0)) == (255, 0, 0)
+    assert [str(w.message) for w in caught if "p.tiff" in str(w.message)] == []
 
 
 # ---------------------------------------------------------------------------------------------- videos
