@@ -220,9 +220,10 @@ def test_a_float_image_in_0_1_is_scaled_and_any_other_taken_as_levels():
 # ---------------------------------------------------------------------------------------------- loader
 
 def test_loader_order_is_the_documented_permutation_and_resumes_at_the_saved_batch(tmp_path, toy):
-    """Epoch e visits rows in torch.randperm(n, seed * 1_000_003 + e) (seed 1), in floor(10 / 3) = 3 batches of 3
-    with drop_last (ceil: 4 without); a state saved at (epoch 1, batch 2) resumes with exactly that batch, and a
-    state of another seed, shuffle or row count is refused."""
+    """Epoch e visits rows in torch.randperm(n, seed * 1_000_003 + e) (seed 1; seed 7's epoch 1: 7_000_022, where
+    seed 1 cannot tell the product from seed * (1_000_003 + e)), in floor(10 / 3) = 3 batches of 3 with drop_last
+    (ceil: 4 without); a state saved at (epoch 1, batch 2) resumes with exactly that batch, and a state of another
+    seed, shuffle or row count is refused."""
     pd.DataFrame([{"problem": f"What is {i}?", "answer": str(i)} for i in range(10)]).to_parquet(tmp_path / "t.parquet")
     make = lambda **kw: loader(toy["text_model"], str(tmp_path / "t.parquet"), batch_size=3, **kw)
     perm = [torch.randperm(10, generator=torch.Generator().manual_seed(1_000_003 + e)).tolist() for e in range(3)]
@@ -243,6 +244,10 @@ def test_loader_order_is_the_documented_permutation_and_resumes_at_the_saved_bat
     kept_tail = make(drop_last=False)
     assert kept_tail.batches_per_epoch == 4
     assert [[p["index"] for p in batch] for batch in kept_tail.epoch()][3] == [perm[0][9]]
+    seven = make(cfg=config(seed=7))
+    seven.load_state_dict({**seven.state_dict(), "epoch": 1})
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(7_000_022)).tolist()
+    assert [p["index"] for p in next(seven)] == order[:3]
 
 
 def test_format_template_is_stripped_and_no_empty_text_part_reaches_the_chat_template(tmp_path, toy):
