@@ -82,7 +82,8 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
     {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
     already), as EasyR1 sends them; for Qwen2.5-VL the metadata goes as the processor's video_metadata (vLLM
     0.24 drops it from a (video, metadata) pair there, and the processor then takes 24 fps for the time
-    positions); limit_mm_per_prompt allows as many videos as the data has (0 without)."""
+    positions); limit_mm_per_prompt allows as many videos as the data has (0 without), and limit_images images
+    (0: none named, vLLM's default)."""
     import numpy
     from transformers import AutoConfig, Qwen3VLConfig
 
@@ -98,13 +99,13 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
     prompts = [{"uid": "v", "raw_prompt_ids": [1, 3, VIDEO_PAD, 4, 9], "images": [], "videos": [frames, frames],
                 "video_metadata": [metadata, metadata]},
                {"uid": "t", "raw_prompt_ids": [1, 9], "images": [], "videos": [], "video_metadata": []}]
-    for limit in (0, 2):
-        cfg = config(name="vllm")
+    for limit, images in ((0, 0), (2, 1)):
+        cfg = config(name="vllm", limit_images=images)
         if limit:
             cfg.limit_videos = limit  # the trainer sets it from the data
         engine = rollout.make_rollout(cfg, path, max_prompt_length=64, max_response_length=8, device="cuda",
                                       tokenizer_path=toy["vl_model"])
-        assert calls["init"]["limit_mm_per_prompt"] == {"video": limit, "image": 1}
+        assert calls["init"]["limit_mm_per_prompt"] == ({"video": 2, "image": 1} if limit else {"video": 0})
     engine.load_weights(iter([]))
     out = engine.generate(prompts, n=1, max_tokens=4, seed=0)
     assert [r["response_ids"] for r in out] == [[IM_END], [IM_END]]
