@@ -10,6 +10,7 @@ import torch
 
 import advantage
 import reward
+import rollout
 import trainer
 from config import ConfigError, load_config
 from test_loop import bare_run, fake_stages, make_run, scripted_fit, step_run, two_round_run  # noqa: F401 (fixture)
@@ -94,14 +95,15 @@ def test_score_hands_the_reward_each_prompts_extra_columns():
 
 def test_generation_is_capped_at_max_response_length_under_training_and_validation_settings():
     """Run.sampling: worker.rollout's n, temperature, top_p and top_k (val_override_config's on top for validation)
-    and max_tokens = data.max_response_length (7 here), not max_prompt_length (5)."""
+    and max_tokens = data.max_response_length (7 here), not max_prompt_length (5); the seed derive_seed(seed, *key)
+    of worker.rollout.seed (3) and the round: (step 2, round 1), or (validation, batch 0)."""
     run = bare_run("data.max_prompt_length=5", "data.max_response_length=7", "worker.rollout.n=4",
-                   "worker.rollout.temperature=0.9")
-    train, val = run.sampling((1, 1)), run.sampling(("validation", 0), {"temperature": 0.0, "n": 1})
-    assert {k: v for k, v in train.items() if k != "seed"} == {"n": 4, "temperature": 0.9, "top_p": 1.0, "top_k": -1,
-                                                               "max_tokens": 7}
-    assert {k: v for k, v in val.items() if k != "seed"} == {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
-                                                             "max_tokens": 7}
+                   "worker.rollout.temperature=0.9", "worker.rollout.seed=3")
+    train, val = run.sampling((2, 1)), run.sampling(("validation", 0), {"temperature": 0.0, "n": 1})
+    assert train == {"n": 4, "temperature": 0.9, "top_p": 1.0, "top_k": -1, "max_tokens": 7,
+                     "seed": rollout.derive_seed(3, 2, 1)}
+    assert val == {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 7,
+                   "seed": rollout.derive_seed(3, "validation", 0)}
 
 
 def test_the_closing_line_counts_the_steps_that_changed_no_weight(capsys):
