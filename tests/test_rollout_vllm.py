@@ -23,8 +23,8 @@ from test_rollout import ENDOFTEXT, IM_END, IMAGE_PAD, VIDEO_PAD, VLLM_TOL, conf
 def fake_vllm(monkeypatch):
     """A stand-in vLLM module; -> the dict where its LLM records its init kwargs and requests. Sleep mode as vLLM's
     CuMemAllocator does it: sleep() releases every allocation (one already released is an error), wake_up(tags)
-    maps those tags again."""
-    calls = {}
+    maps those tags again; the prefix and encoder cache resets are listed in calls["resets"]."""
+    calls = {"resets": []}
 
     class FakeLLM:
         def __init__(self, **kwargs):
@@ -32,7 +32,8 @@ def fake_vllm(monkeypatch):
             model = types.SimpleNamespace(load_weights=lambda named: list(named))
             runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
             executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=runner))
-            self.llm_engine = types.SimpleNamespace(model_executor=executor, reset_encoder_cache=lambda: None)
+            self.llm_engine = types.SimpleNamespace(model_executor=executor,
+                                                    reset_encoder_cache=lambda: calls["resets"].append("encoder"))
 
         def sleep(self, level):
             assert calls["awake"] == {"weights", "kv_cache"}, f"sleep() with only {calls['awake']} mapped"
@@ -42,7 +43,7 @@ def fake_vllm(monkeypatch):
             calls["awake"] |= set(tags or ("weights", "kv_cache"))
 
         def reset_prefix_cache(self):
-            pass
+            calls["resets"].append("prefix")
 
         def generate(self, requests, params, use_tqdm):
             calls["requests"] = requests
@@ -59,7 +60,8 @@ def fake_vllm(monkeypatch):
 def test_vllm_sleeps_whole_after_a_weight_sync_without_generation(toy, monkeypatch):
     """The engine's settings (processed log-probs, the context, dtype, override_config as hf_overrides); load_weights
     wakes only the weights; a sleep() right after (no wake_up, no generate) must still release them, which vLLM's
-    sleep does only for a wholly awake engine."""
+    sleep does only for a wholly awake engine. Each sleep empties the prefix and encoder caches, which hold results
+    of the weights before the next sync."""
     calls = fake_vllm(monkeypatch)
     engine = rollout.make_rollout(config(name="vllm", override_config={"rms_norm_eps": 0.5}), toy["vl_model"],
                                   max_prompt_length=64, max_response_length=8, device="cuda")
@@ -70,10 +72,10 @@ def test_vllm_sleeps_whole_after_a_weight_sync_without_generation(toy, monkeypat
     engine.load_weights(iter([]))
     assert calls["awake"] == {"weights"}
     engine.sleep()
-    assert calls["awake"] == set()
+    assert calls["awake"] == set() and calls["resets"] == ["prefix", "encoder"]
     engine.wake_up()
     engine.sleep()
-    assert calls["awake"] == set()
+    assert calls["awake"] == set() and calls["resets"] == ["prefix", "encoder"] * 2
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
