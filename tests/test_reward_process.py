@@ -172,13 +172,21 @@ def test_a_trainer_killed_during_a_call_takes_the_reward_process_and_what_it_sta
 
 def test_a_function_that_uses_torch_after_the_trainer_did_still_returns(tmp_path):
     """The reward process is forked after torch's OpenMP threads ran (here: at the file's import, in this
-    process); a parallel op in the fork then waited on threads that do not exist there, until the call timed out."""
+    process); a parallel op in the fork then waited on threads that do not exist there, until the call timed out.
+    Two threads at least: with one (OMP_NUM_THREADS=1, as the suite runs) no thread pool exists to wait on."""
+    import torch
+
     text = ("import torch\ntorch.nn.Linear(512, 512)(torch.randn(64, 512))\n"
             "def main(xs):\n    torch.nn.Linear(512, 512)(torch.randn(64, 512))\n"
             "    return [{'overall': 1.0} for x in xs]\n")
-    fn = load_reward_function(write(tmp_path, "uses_torch.py", text), call_timeout=10)
-    assert fn([sample("a", "1")]) == [{"overall": 1.0}]
-    fn.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        fn = load_reward_function(write(tmp_path, "uses_torch.py", text), call_timeout=10)
+        assert fn([sample("a", "1")]) == [{"overall": 1.0}]
+        fn.close()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_function_may_start_a_process_pool(tmp_path):
