@@ -88,8 +88,10 @@ def test_norm_by_std_is_for_grpo_only():
 @pytest.mark.parametrize("name", ["grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_flat_groups_are_exactly_zero(name, dtype):
-    """0.7 is not dyadic: a float32 pass over 16 copies leaves residue that std + 1e-6 would blow up."""
-    scores = torch.tensor([0.7] * 16 + [0.1] * 8 + [0.0, 1.0, 0.0, 0.5], dtype=dtype)
+    """0.7 is not dyadic: a float32 pass over 16 copies leaves residue that std + 1e-6 would blow up. The mixed group's
+    float64 deviations sum to -1.7e-16, not 0: the batch whitening of REINFORCE++-baseline leaves the flat groups 4e-17
+    unless it zeroes them (with [0, 1, 0, 0.5] they summed to exactly 0 and hid that)."""
+    scores = torch.tensor([0.7] * 16 + [0.1] * 8 + [0.1, 1.0, 0.0, 0.3], dtype=dtype)
     uids = ["flat"] * 16 + ["low"] * 8 + ["mixed"] * 4
     got = compute_advantages(name, scores, uids)
     assert torch.equal(got[:24], torch.zeros(24))
