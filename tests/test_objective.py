@@ -47,7 +47,7 @@ def ref_sapo_token(log_ratio, a, tau_pos=1.0, tau_neg=1.05):
 def run(loss_type, logp, old, adv, cu, weights=None, **kw):
     """policy_loss on float64 lists; backward of sum_t weights_t * loss_t. -> (loss, grad, metrics) as lists."""
     lp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
-    if kw.get("rollout_logp") is not None:
+    if kw.get("rollout_logp") is not None and not torch.is_tensor(kw["rollout_logp"]):
         kw["rollout_logp"] = torch.tensor(kw["rollout_logp"], dtype=torch.float64)
     loss, metrics = policy_loss(lp, torch.tensor(old, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
                                 torch.tensor(cu, dtype=torch.int32), loss_type=loss_type, **kw)
@@ -267,7 +267,8 @@ def test_tis_weights_capped_and_detached():
     old = [-1.0, -2.0, -0.5, -1.5, -2.5]
     logp = [o + math.log(r) for o, r in zip(old, [1.1, 0.9, 1.2, 1.5, 0.7])]
     adv = [1.0, -1.0, 0.5, 2.0, -0.3]
-    rollout = [o - d for o, d in zip(old, diffs)]
+    # rollout log-probs that carry a gradient: the weight must not pass it on (nor be a metric that requires grad)
+    rollout = torch.tensor([o - d for o, d in zip(old, diffs)], dtype=torch.float64, requires_grad=True)
     cu = single_token_cu(5)
     base_loss, base_grad, _ = run("default", logp, old, adv, cu)
     loss, grad, m = run("default", logp, old, adv, cu, rollout_logp=rollout, tis_cap=2.0)
@@ -277,6 +278,7 @@ def test_tis_weights_capped_and_detached():
     close(m["tis_weight"], w)
     assert m["tis_capfrac"] == [0.0, 0.0, 0.0, 1.0, 0.0]
     close(m["rollout_logp_abs_diff"], [abs(d) for d in diffs])
+    assert rollout.grad is None
     # rollout log-probs without a cap: diagnostics only, the loss is untouched.
     loss, _, m = run("default", logp, old, adv, cu, rollout_logp=rollout)
     assert loss == base_loss and "tis_weight" not in m and "rollout_logp_abs_diff" in m
