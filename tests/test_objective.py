@@ -541,6 +541,30 @@ def test_kl_penalty_and_seq_sum_norm_reach_the_update(toy, samples):
     assert math.isclose(metrics["actor/kl_loss"], 0.045 * sum(lengths) / 32, rel_tol=1e-4)
 
 
+def test_the_update_applies_the_gradient_of_its_objective(toy):
+    """On policy (r = 1), the defaults (PPO loss, token mean, low_var_kl) with kl_coef 0.5 and ref = old - d_t: step 1
+    applies the gradient of sum_t (-A_t + 0.5 (1 - e^-d_t)) log pi(y_t) / T through a plain per-sequence forward. The
+    tests above read the logged losses only: a backward of -loss, or of a KL term with a minus sign, passed them."""
+    from transformers import AutoModelForCausalLM
+
+    from actor import Actor
+    from test_actor import TEMPERATURE, assert_grads_close, reference_log_probs, text_sample
+    from test_actor_update import MAX_PROMPT, MAX_RESPONSE, Spy, make_cfg
+
+    spy, samples = Spy(), [text_sample(4, 1), text_sample(7, 2, prompt_len=3), text_sample(2, 3), text_sample(5, 4)]
+    policy = spy.watch(Actor(make_cfg(toy["text_model"]), temperature=TEMPERATURE, max_prompt_length=MAX_PROMPT,
+                             max_response_length=MAX_RESPONSE, n_per_prompt=2, use_kl_loss=True, kl_coef=0.5))
+    for s, logp, a in zip(samples, policy.compute_log_probs(samples), (1.0, -0.5, 2.0, -1.5)):
+        s.update(old_logprobs=logp, advantage=a, ref_logprobs=logp - torch.linspace(-0.3, 0.4, len(logp)))
+    policy.update(samples)
+    model = AutoModelForCausalLM.from_pretrained(toy["text_model"], dtype=torch.float32, attn_implementation="sdpa")
+    tokens = sum(len(s["response_ids"]) for s in samples)
+    for s in samples:
+        weight = (-s["advantage"] + 0.5 * (1 - torch.exp(s["ref_logprobs"] - s["old_logprobs"]))) / tokens
+        (weight * reference_log_probs(model, s, is_vl=False)).sum().backward()
+    assert_grads_close(spy.grads[0], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, 1e-7)
+
+
 def test_max_grad_norm_clips_the_applied_gradient_and_logs_the_norm_before(toy, samples):
     """max_grad_norm 1e-3: the gradient the optimizer steps with has global norm 1e-3; actor/grad_norm is the
     norm before clipping, as the unclipped run's."""
