@@ -42,12 +42,14 @@ def adamw_runs(weight_decay):
     return w0.float(), ref.detach(), p.detach(), opts[1].state[p]["compensation"], lossy.detach()
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+@pytest.mark.parametrize("weight_decay", [0.0, 5.0])
 def test_adamw_bf16_keeps_the_updates_that_bf16_rounds_away(weight_decay):
     """200 steps of lr 1e-6 on bf16 weights of scale 0.02: each step (~1e-7) is far below half the bf16 spacing
     there (6e-5). The displacement that AdamWBF16 holds (weights + Kahan compensation c) is within 5% (relative L2)
     of fp32-master AdamW's, and 99% of its bf16 weights are the nearest bf16 of the fp32 weights (the best a bf16
-    weight can be). Written back without compensation, the steps are lost: relative error ~1."""
+    weight can be). Written back without compensation, the steps are lost: relative error ~1. Weight decay 5 takes
+    lr x 5 x 0.02 = 1e-7 a step, as much as Adam's step, so a decay lost shows (at 1e-2 it was 0.0003% of the
+    displacement, far inside the 5%)."""
     w0, ref, p, c, lossy = adamw_runs(weight_decay)
     moved = ref - w0
     assert moved.abs().mean() > 5e-6  # the reference did move (~1.2e-5 on average; 200 x lr is the most)
