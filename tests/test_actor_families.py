@@ -162,7 +162,7 @@ def test_a_tied_head_stays_tied_on_the_ranks_that_receive_rank_0s_weights(tmp_pa
 
 def test_recurrent_and_hybrid_models_are_refused_at_build(tmp_path):
     """LFM2's short convolutions and Falcon-H1's Mamba layers run across the packed row, past the boundaries that
-    only attention is given: a later sequence's log-probs were off by up to 0.75 (a helper's probe), silently."""
+    only attention is given: a later sequence's log-probs were off by up to 0.75, silently."""
     tiny_text_family("lfm2", str(tmp_path / "lfm2"), layer_types=["conv", "full_attention"])
     tiny_text_family("falcon_h1", str(tmp_path / "falcon_h1"), mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
                      mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)
