@@ -548,7 +548,7 @@ def test_top_k_one_warns_a_mini_batch_that_divides_does_not_and_a_list_after_a_s
 
 
 def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
-    """Probe AJ: a step takes at least ceil(rollout / mini) rounds (exactly that many without online filtering, which
+    """A step takes at least ceil(rollout / mini) rounds (exactly that many without online filtering, which
     keeps some groups only); fewer allowed failed step 1 after its rounds."""
     for filtering in ("false", "true"):
         with pytest.raises(ConfigError, match=re.escape("max_try_make_batch=3 is below the 4 generation rounds")):
@@ -575,20 +575,20 @@ def test_max_try_make_batch_below_the_rounds_a_step_needs_is_a_config_error():
     ("worker.reward.call_timeout=nan", "worker.reward.call_timeout=nan: not a number"),  # no range check of its own
 ])
 def test_a_negative_or_infinite_lr_and_any_nan_are_config_errors(override, message):
-    """Probe AJ: these loaded; lr=-1e-3 on the toy died in the worker's setup with torch's 'Invalid learning rate'."""
+    """These loaded; lr=-1e-3 on the toy died in the worker's setup with torch's 'Invalid learning rate'."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
     load_config(None, ["worker.actor.optim.lr=0", "worker.reward.call_timeout=null"])
 
 
 def test_betas_that_are_not_numbers_are_a_config_error_not_a_type_error():
-    """Probe AJ: betas=[0.9,abc] raised TypeError ('<=' between int and str) out of check_config."""
+    """betas=[0.9,abc] raised TypeError ('<=' between int and str) out of check_config."""
     with pytest.raises(ConfigError, match=re.escape("betas=[0.9, 'abc'] must be two numbers")):
         load_config(None, ["worker.actor.optim.betas=[0.9,abc]"])
 
 
 def test_an_fsdp_size_that_does_not_divide_the_workers_is_a_config_error():
-    """Probe AJ: fsdp_size=3 of 8 GPUs loaded; the workers' init_device_mesh((2, 3)) then fails on 8 ranks."""
+    """fsdp_size=3 of 8 GPUs loaded; the workers' init_device_mesh((2, 3)) then fails on 8 ranks."""
     with pytest.raises(ConfigError, match=re.escape("worker.ref.fsdp.fsdp_size=3 must divide the 8 workers")):
         load_config("geo3k", ["worker.ref.fsdp.fsdp_size=3"])
     load_config("geo3k", ["worker.actor.fsdp.fsdp_size=4", "worker.ref.fsdp.fsdp_size=8"])  # 8: all, as -1

@@ -448,7 +448,7 @@ def test_a_mixture_of_experts_merges_into_what_save_pretrained_writes(toy, tmp_p
 
 def test_an_output_that_cannot_be_written_is_an_error_naming_it(toy, tmp_path):
     """The default output lies inside the checkpoint: a read-only checkpoint (an archive, a shared store) ended the
-    merge with a PermissionError traceback from opening <output>.lock (probe AI); now one line naming the output and
+    merge with a PermissionError traceback from opening <output>.lock; now one line naming the output and
     --output. Root ignores modes, so a folder under a file stands in for it where the tests run as root."""
     actor = tmp_path / "actor"
     text_checkpoint(toy, actor)
@@ -465,7 +465,7 @@ def test_an_output_that_cannot_be_written_is_an_error_naming_it(toy, tmp_path):
 
 
 def test_a_tokenizer_that_does_not_load_is_an_error_before_any_work(toy, tmp_path):
-    """huggingface/ without tokenizer.json (a copy cut short) merged with exit 0 (probe AI): a VL model's processor
+    """huggingface/ without tokenizer.json (a copy cut short) merged with exit 0: a VL model's processor
     then failed to load at serving time ('Couldn't instantiate the backend tokenizer'), a text model's tokenizer
     loaded with no vocabulary and encoded every text to no tokens. Now an error naming the folder, before any weight
     is read."""
@@ -483,8 +483,8 @@ def test_a_tokenizer_that_does_not_load_is_an_error_before_any_work(toy, tmp_pat
 
 
 def test_force_never_replaces_a_folder_holding_checkpoints(toy, tmp_path):
-    """--output <a run folder> --force deleted that run, its checkpoints and tracker included, with exit 0 (probe
-    AI); --force replaces an earlier merge's output, never another checkpoint or a run folder."""
+    """--output <a run folder> --force deleted that run, its checkpoints and tracker included, with exit 0;
+    --force replaces an earlier merge's output, never another checkpoint or a run folder."""
     actor = tmp_path / "actor"
     text_checkpoint(toy, actor)
     run = tmp_path / "run"

@@ -280,8 +280,8 @@ def test_a_run_whose_steps_all_skipped_their_update_says_so_at_the_end(tmp_path,
 
 def test_a_checkpoint_the_rotation_cannot_remove_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     """save_limit's rotation removed old checkpoints with rmtree(ignore_errors=True): one it could not remove (its
-    files immutable, chattr +i end to end on the toy; another user's) stayed without a word, holding its disk (probe
-    AI). Now it is named; a folder that is not there is no error (a step saved for the first time)."""
+    files immutable, chattr +i end to end on the toy; another user's) stayed without a word, holding its disk.
+    Now it is named; a folder that is not there is no error (a step saved for the first time)."""
     import errno
 
     for step in (1, 2, 3):

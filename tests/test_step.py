@@ -269,7 +269,7 @@ def test_a_model_the_actor_refuses_at_setup_is_a_one_line_config_error(tmp_path,
 def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_cause(tmp_path, monkeypatch):
     """A changed LoRA or optimizer setting (the actor's ValueError, the cause of the worker group's error): the
     trainer raised a RuntimeError holding the worker's traceback; now the refusal's own line. Any other failure (a
-    damaged shard, another model: probe AI) is one line too, naming the innermost error and what to change, with the
+    damaged shard, another model) is one line too, naming the innermost error and what to change, with the
     advice for a folder holding another run when the tracker chose the checkpoint."""
     import test_checkpoint
     from run_folder import CheckpointError
@@ -299,7 +299,7 @@ def test_a_resume_the_actor_refuses_is_a_one_line_checkpoint_error_naming_the_ca
 def test_a_damaged_shard_of_a_complete_looking_checkpoint_is_one_line_naming_it(tmp_path, monkeypatch):
     """A model shard overwritten in place (its size kept, so find_checkpoint finds it complete) ended the start with a
     64-line traceback through torch.distributed.checkpoint and torch.load's advice to load with weights_only=False,
-    exit 1 (probe AI, end to end on the toy). Now a checkpoint error naming the folder and the innermost error."""
+    exit 1 (end to end on the toy). Now a checkpoint error naming the folder and the innermost error."""
     import traceback
 
     import test_checkpoint

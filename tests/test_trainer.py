@@ -391,7 +391,7 @@ def test_a_resume_under_other_settings_names_them(tmp_path, capsys, monkeypatch)
     assert (f"resuming {tmp_path}/global_step_1 under other settings than {tmp_path}/experiment_config.json's: "
             "trainer.max_steps: None -> 9; worker.actor.optim.lr: 1e-06 -> 3e-06") in capsys.readouterr().out
     (tmp_path / "experiment_config.json").write_text('{"data": {"train_')  # cut short: said, the resume goes on
-    assert fake_run(tmp_path, cfg).step == 1  # (probe AI: a JSONDecodeError traceback once the workers had loaded)
+    assert fake_run(tmp_path, cfg).step == 1  # (before: a JSONDecodeError traceback once the workers had loaded)
     assert f"{tmp_path}/experiment_config.json cannot be read (JSONDecodeError: " in capsys.readouterr().out
 
 
@@ -437,7 +437,7 @@ def test_validating_the_base_model_in_a_run_folder_leaves_the_settings_that_trai
 
 def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
     """A read-only run folder (chattr +i end to end; chmod for a non-root user) ended the start with a PermissionError
-    traceback from opening experiment_log.jsonl (probe AI), a resume and trainer.val_only alike. Root ignores modes,
+    traceback from opening experiment_log.jsonl, a resume and trainer.val_only alike. Root ignores modes,
     so the Logger's open is made to fail as it did."""
     import errno
 
@@ -458,7 +458,7 @@ def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path
 
 def test_a_checkpoint_given_as_the_run_folder_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
     """trainer.save_checkpoint_path=<run>/global_step_2 (meaning: resume from it) started a fresh run from the base
-    model inside that checkpoint, its logs and global_step_1..3 nested beside actor/, without a word (probe AI, end to
+    model inside that checkpoint, its logs and global_step_1..3 nested beside actor/, without a word (end to
     end on the toy). Now a config error that says how to resume from it, before anything is written."""
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the mistake was found"))
     for folder, marker in (("global_step_2", "trainer_state.json"), ("global_step_2/actor", "extra_state.pt")):
