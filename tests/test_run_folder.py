@@ -19,7 +19,7 @@ import run_folder
 import trainer
 from config import load_config
 from test_checkpoint import (Kill, fake_run, folders, kill_at, make_cfg, no_hf_files,  # noqa: F401 (a fixture)
-                             run_loop, save_steps)
+                             run_loop, save_steps, saved_folder)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 
@@ -260,8 +260,8 @@ def test_a_tracker_without_folders_a_missing_shard_a_mis_named_path_and_save_lim
     os.rename(tmp_path / "c" / "global_step_2", tmp_path / "c" / "best")
     with pytest.raises(run_folder.CheckpointError, match="must be an existing global_step_N folder"):
         run_folder.find_checkpoint(str(tmp_path / "c"), str(tmp_path / "c" / "best"), True)
-    for step in (1, 2, 3, 4, 5):
-        os.makedirs(tmp_path / "d" / f"global_step_{step}")
+    for step in (1, 2, 3, 4, 5):  # finished saves (trainer_state.json), which rotation counts toward save_limit
+        saved_folder(tmp_path / "d" / f"global_step_{step}")
     run_folder.remove_old_checkpoints(str(tmp_path / "d"), 5, 2, 1)
     assert folders(tmp_path / "d") == [2, 5]
 
