@@ -314,6 +314,11 @@ def test_an_interrupt_exits_130_saying_the_step_and_whether_a_checkpoint_is_ther
         trainer.main([])
     assert stopped.value.code == 130 and closed == [True]
     assert f"interrupted at step 4; no checkpoint in {tmp_path} yet" in capsys.readouterr().out
+    (tmp_path / "checkpoint_tracker.json").write_text('{"last_global_step": 2}')  # a checkpoint counts once named
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main([])
+    assert stopped.value.code == 130 and closed == [True, True]
+    assert f"interrupted at step 4; the last complete checkpoint is in {tmp_path}\n" in capsys.readouterr().out
 
 
 def test_a_row_gone_bad_mid_run_is_a_one_line_data_error(tmp_path, monkeypatch, capsys):
