@@ -406,12 +406,20 @@ def test_more_counts_below_one_are_config_errors_naming_the_key(override):
 
 def test_the_edges_of_the_allowed_ranges_load():
     """mini_rollout_batch_size equal to rollout_batch_size (512), val_batch_size -1 (the whole set), one response a
-    prompt for estimators without groups."""
+    prompt for estimators without groups; each closed end the messages name: max_grad_norm 0 (no clipping),
+    clip_ratio_high 0, a beta of 0, gpu_memory_utilization 1, temperature 1e-5, alpha 0 without a LoRA rank, and
+    max_try_make_batch 0 (no limit) below the rounds a step needs."""
     assert load_config(None, ["data.mini_rollout_batch_size=512"]).data.mini_rollout_batch_size == 512
     assert load_config(None, ["data.val_batch_size=-1"]).data.val_batch_size == -1
     assert load_config(None, ["worker.rollout.max_model_len=4096"]).worker.rollout.max_model_len == 4096  # 2048 x 2
     for estimator in ("reinforce_plus_plus", "remax"):
         load_config(None, [f"algorithm.adv_estimator={estimator}", "worker.rollout.n=1"])
+    for edge in ("worker.actor.max_grad_norm=0", "worker.actor.clip_ratio_high=0", "worker.actor.optim.betas=[0, 0.9]",
+                 "worker.rollout.gpu_memory_utilization=1", "worker.rollout.temperature=1.0e-5",
+                 "worker.actor.model.lora.alpha=0"):
+        key, _, value = edge.partition("=")
+        assert _flat(config.config_to_dict(load_config(None, [edge])))[key] == yaml.safe_load(value), edge
+    load_config(None, ["data.mini_rollout_batch_size=128", "trainer.max_try_make_batch=0"])  # 4 rounds, no limit
 
 
 @pytest.mark.parametrize("estimator", sorted(advantage.ZERO_WHEN_FLAT))  # the estimators with a group baseline
@@ -525,6 +533,7 @@ def test_a_config_path_that_exists_is_read_before_the_file_of_that_name_in_confi
     ("worker.actor.optim.lr_warmup_ratio=1.5", "lr_warmup_ratio=1.5"),  # lr would reach 0.6 x its peak at the end
     ("worker.actor.optim.min_lr_ratio=2", "min_lr_ratio=2.0 (in [0, 1])"),  # cosine would climb to 2 x the peak
     ("worker.rollout.max_model_len=4095", "max_model_len=4095 is below data.max_prompt_length + max_response_length"),
+    ("worker.rollout.gpu_memory_utilization=0", "gpu_memory_utilization=0.0 (in (0, 1])"),  # vLLM: no KV cache
 ])
 def test_values_just_outside_their_range_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -532,15 +541,16 @@ def test_values_just_outside_their_range_are_config_errors(override, message):
 
 
 def test_top_k_one_warns_a_mini_batch_that_divides_does_not_and_a_list_after_a_space_is_one_list(caplog):
-    """top_k=1 samples from a truncated distribution (greedy) as any top_k does; mini_rollout_batch_size 256 of
-    512 wastes no prompt; a cosine floor loads silently, a floor under the constant schedule (ignored) is warned of.
+    """top_k=1 samples from a truncated distribution (greedy) as any top_k does, top_k=0 none; mini_rollout_batch_size
+    256 of 512 wastes no prompt; a cosine floor loads silently, a floor under the constant schedule is warned of.
     `trainer.logger= [console,file]` (a space after =) is [console, file], not nested."""
     with caplog.at_level(logging.WARNING, logger="config"):
         load_config(None, ["worker.rollout.top_k=1"])
         assert "top_k=1: responses are sampled from the truncated distribution" in caplog.text
         caplog.clear()
         load_config(None, ["data.mini_rollout_batch_size=256", "worker.actor.optim.min_lr_ratio=0.1",
-                           "worker.actor.optim.lr_scheduler_type=cosine", "worker.actor.optim.lr_warmup_ratio=1"])
+                           "worker.actor.optim.lr_scheduler_type=cosine", "worker.actor.optim.lr_warmup_ratio=1",
+                           "worker.rollout.top_k=0"])  # top_k 0 is off, as -1: the whole distribution
         assert not caplog.text
         load_config(None, ["worker.actor.optim.min_lr_ratio=1", "algorithm.kl_coef=0"])  # a floor at the peak
         assert "min_lr_ratio=1.0 does nothing under lr_scheduler_type=constant" in caplog.text
