@@ -170,8 +170,8 @@ def test_warm_start_answers_in_format_with_content_at_chance(toy, model, task):
 def test_toy_reward_file_scores_format_and_accuracy():
     import reward
 
-    score = reward.load_reward_function(os.path.join(os.path.dirname(__file__), "..", "configs", "toy_reward.py")
-                                        + ":compute_score")
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "toy_reward.py") + ":compute_score"
+    score = reward.load_reward_function(path)
     cases = [("<answer>red</answer>", "red", 1.0, 1.0), ("<answer>blue</answer>", "red", 1.0, 0.0),
              ("<answer> 7 </answer>", "7", 1.0, 1.0), ("<answer>red</answer>\n", "red", 0.0, 1.0),
              ("red", "red", 0.0, 1.0), ("<answer>red", "red", 0.0, 0.0), ("x<answer>red</answer>", "green", 0.0, 0.0),
@@ -182,3 +182,8 @@ def test_toy_reward_file_scores_format_and_accuracy():
                  for r, g, _, _ in cases])
     for (response, _, form, accuracy), result in zip(cases, got):
         assert result == {"overall": 0.5 * accuracy + 0.5 * form, "format": form, "accuracy": accuracy}, response
+    # format_weight 0.2 (the default 0.5 weighs both alike): 0.8 x accuracy + 0.2 x format
+    got = reward.load_reward_function(path, format_weight=0.2)([
+        {"response": r, "ground_truth": "red", "response_length": 1, "prompt": "", "extra": {}}
+        for r in ("<answer>red</answer>\n", "<answer>blue</answer>")])  # accuracy 1 format 0; format 1 accuracy 0
+    assert [s["overall"] for s in got] == [pytest.approx(0.8), pytest.approx(0.2)]
