@@ -45,7 +45,8 @@ def test_a_resume_sets_later_steps_aside_and_the_tracker_keeps_the_best(tmp_path
     best = {"best_global_step": 1, "best_val_reward_score": 0.5}
     run_folder.set_aside_later(str(tmp_path), str(tmp_path / "global_step_1"), 1, best)
     assert json.loads((tmp_path / run_folder.TRACKER).read_text()) == {"last_global_step": 1, **best}
-    assert not (tmp_path / "global_step_2").exists()
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("earlier_")]  # moved there, not deleted
+    assert os.listdir(aside) == ["global_step_2"] and not (tmp_path / "global_step_2").exists()
 
 
 def test_a_resume_from_another_runs_checkpoint_sets_this_roots_tracker_aside(tmp_path, monkeypatch):
