@@ -138,11 +138,11 @@ def test_an_amend_of_a_step_without_a_row_replaces_a_row_cut_short(tmp_path):
 
 
 def test_resuming_the_newest_checkpoint_by_path_warns_of_nothing_later(tmp_path, monkeypatch, capsys):
-    """load_checkpoint_path naming the newest of steps 1 and 2: no warning of a later checkpoint; naming step 1:
-    the warning names step 2."""
-    for step in (1, 2):
+    """load_checkpoint_path naming the newest complete one of steps 1 and 2 (3: a save cut short): no warning of a
+    later checkpoint; naming step 1: the warning names step 2."""
+    for step in (1, 2, 3):
         os.makedirs(tmp_path / f"global_step_{step}")
-    monkeypatch.setattr(run_folder, "checkpoint_problem", lambda path: None)
+    monkeypatch.setattr(run_folder, "checkpoint_problem", lambda path: "cut short" if path.endswith("_3") else None)
     run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_2"), find_last=True)
     assert "later" not in capsys.readouterr().out
     run_folder.find_checkpoint(str(tmp_path), str(tmp_path / "global_step_1"), find_last=True)
