@@ -187,3 +187,36 @@ def test_toy_reward_file_scores_format_and_accuracy():
         {"response": r, "ground_truth": "red", "response_length": 1, "prompt": "", "extra": {}}
         for r in ("<answer>red</answer>\n", "<answer>blue</answer>")])  # accuracy 1 format 0; format 1 accuracy 0
     assert [s["overall"] for s in got] == [pytest.approx(0.8), pytest.approx(0.2)]
+
+
+def test_task_rows_answer_what_they_show():
+    """A colours row's image holds a square of its answer's colour (40 to 56 pixels a side), a sums row's answer is
+    the sum it asks of two digits 0..2 (each sum 0..4 drawn), a video row's answer is the colour of 3 of its 4 frames
+    (MPEG-4 shifts colours a little: a pixel within 90 of a colour's RGB, summed over channels, counts as it)."""
+    import random
+
+    import av
+    import numpy as np
+    from PIL import Image
+
+    import toy as toy_world
+
+    def pixels_of_each_colour(image):
+        rgb = np.asarray(image.convert("RGB"), dtype=int)
+        return {name: int((np.abs(rgb - value).sum(-1) < 90).sum()) for name, value in toy_world.COLORS.items()}
+
+    rng = random.Random(0)
+    for _ in range(20):
+        row = toy_world.colors_row(rng)
+        counts = pixels_of_each_colour(Image.open(io.BytesIO(row["images"][0]["bytes"])))
+        assert counts[row["answer"]] >= 40 * 40 and sum(counts.values()) == counts[row["answer"]], counts
+    sums = [toy_world.sums_row(rng) for _ in range(200)]
+    for row in sums:
+        a, b = map(int, row["problem"].removeprefix("What is ").removesuffix("?").split(" + "))
+        assert a + b == int(row["answer"]) and 0 <= min(a, b) <= max(a, b) <= 2, row
+    assert sorted({row["answer"] for row in sums}) == ["0", "1", "2", "3", "4"]
+    for _ in range(3):
+        row = toy_world.video_colors_row(rng)
+        with av.open(io.BytesIO(row["videos"][0]["bytes"])) as clip:
+            frames = [pixels_of_each_colour(frame.to_image()) for frame in clip.decode(video=0)]
+        assert [max(f, key=f.get) == row["answer"] for f in frames].count(True) == 3 and len(frames) == 4, row["answer"]
