@@ -242,10 +242,19 @@ def test_rows_with_more_images_than_limit_images_stop_the_run_before_ray(tmp_pat
     rows.write_text(json.dumps({"problem": "<image><image>Colours?", "answer": "red",
                                 "images": [str(tmp_path / "red.png")] * 2}) + "\n")
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the limit was checked"))
-    code = trainer.main([f"data.train_files={rows}", f"data.val_files={rows}", "data.rollout_batch_size=1",
-                         "worker.actor.global_batch_size=1", "worker.rollout.limit_images=1",
-                         f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+    args = [f"data.train_files={rows}", f"data.val_files={rows}", "data.rollout_batch_size=1",
+            "worker.actor.global_batch_size=1", f"trainer.save_checkpoint_path={tmp_path / 'run'}"]
+    code = trainer.main([*args, "worker.rollout.limit_images=1"])
     assert code == 2 and "worker.rollout.limit_images=1, but a row holds 2 images" in capsys.readouterr().err
+
+    class Started(Exception):
+        pass
+
+    def workers(*args):
+        raise Started
+    monkeypatch.setattr(trainer, "WorkerGroup", workers)
+    with pytest.raises(Started):  # as many images as the limit: on to the workers
+        trainer.main([*args, "worker.rollout.limit_images=2"])
 
 
 def test_start_up_mistakes_with_paths_and_packages_are_one_line_errors_before_ray(tmp_path, monkeypatch, capsys, toy):
