@@ -294,6 +294,11 @@ def test_the_toy_config_runs_from_another_directory(tmp_path, monkeypatch, toy):
     assert cfg.worker.reward.reward_function == os.path.join(ROOT, "configs", "toy_reward.py") + ":compute_score"
     assert cfg.worker.actor.model.model_path == toy["vl_warm"] and cfg.data.train_files == toy["colors"] + "@train"
     assert os.listdir(tmp_path) == []
+    (tmp_path / "configs").mkdir()  # a reward file of that name in the working directory: found first
+    (tmp_path / "configs" / "toy_reward.py").write_text("")
+    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"))
+    trainer._ensure_toy_world(cfg)
+    assert cfg.worker.reward.reward_function == os.path.join(os.getcwd(), "configs", "toy_reward.py:compute_score")
 
 
 def test_a_folder_named_like_a_built_in_reward_is_not_taken_for_it(tmp_path, monkeypatch):
