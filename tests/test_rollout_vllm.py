@@ -129,7 +129,16 @@ def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy,
 def test_vllm_refuses_a_context_longer_than_the_model_before_starting(toy, monkeypatch):
     """prompt + response (or worker.rollout.max_model_len) beyond the model's max_position_embeddings (32768 for
     the toy) is an error naming the keys and the model, raised before vLLM is imported (vLLM's own check fails
-    later, inside a Ray worker, as a pydantic error); VLLM_ALLOW_LONG_MAX_MODEL_LEN lets it through, as in vLLM."""
+    later, inside a Ray worker, as a pydantic error); VLLM_ALLOW_LONG_MAX_MODEL_LEN lets it through, as in vLLM.
+    A text config whose rope_parameters carry a scaling factor (YaRN x 2: 65536 positions) goes to vLLM, whose own
+    check scales the limit, with the whole context and the rope parameters as hf_overrides."""
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768}
+    calls = fake_vllm(monkeypatch)
+    rollout.make_rollout(config(name="vllm", override_config={"rope_parameters": yarn}), toy["vl_model"],
+                         max_prompt_length=32768, max_response_length=4096, device="cuda")
+    assert calls["init"]["max_model_len"] == 36864
+    rope = calls["init"]["hf_overrides"]["text_config"]["rope_parameters"]
+    assert rope == {"mrope_section": [2, 3, 3], "rope_theta": 10000.0, **yarn}
     for cfg, length in ((config(name="vllm"), 36864), (config(name="vllm", max_model_len=40000), 40000)):
         with pytest.raises(ValueError, match=f"context of {length} tokens .worker.rollout.max_model_len, else "
                                              r"data.max_prompt_length \+ max_response_length. exceeds the 32768"):
