@@ -499,22 +499,31 @@ def test_tensor_parallel_ranks_bring_their_own_prompts():
                for r in responses)
 
 
-def test_trust_remote_code_reaches_every_load_of_the_transformers_engine(toy, monkeypatch):
-    """worker.rollout.trust_remote_code (handed over by the trainer from the model section) goes to the config,
-    model and generation-config loads (the tokenizer is loaded only without a generation config: not here)."""
-    import transformers
-
+def test_trust_remote_code_reaches_every_load_of_the_transformers_engine(toy, tmp_path, monkeypatch):
+    """worker.rollout.trust_remote_code (handed over by the trainer from the model section) goes to each load the
+    engine makes itself: config, generation config (the model folder's, else the tokenizer folder's), tokenizer and
+    model. The loaders are replaced in rollout's namespace, so transformers' own inner loads are not counted."""
     seen = []
-    for cls in (transformers.AutoConfig, transformers.AutoModelForImageTextToText, transformers.GenerationConfig):
-        original = cls.from_pretrained.__func__
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(
-            lambda c, *a, _o=original, _n=cls.__name__, **kw:
-                seen.append((_n, kw.get("trust_remote_code"))) or _o(c, *a, **kw)))
-    rollout.make_rollout(config(trust_remote_code=True), toy["vl_model"], max_prompt_length=32, max_response_length=4,
-                         device="cpu", tokenizer_path=toy["vl_model"])
-    assert ("GenerationConfig", True) in seen  # (transformers' own model load also reads it, without the flag)
-    assert all(flag is True for name, flag in seen if name != "GenerationConfig"), seen
-    assert {name for name, _ in seen} == {"AutoConfig", "AutoModelForImageTextToText", "GenerationConfig"}
+
+    def recorded(name, load):
+        def from_pretrained(*args, **kwargs):
+            seen.append((name, kwargs.get("trust_remote_code")))
+            return load(*args, **kwargs)
+        return types.SimpleNamespace(from_pretrained=from_pretrained)
+
+    for name in ("AutoConfig", "GenerationConfig", "AutoTokenizer", "AutoModelForImageTextToText",
+                 "AutoModelForCausalLM"):
+        monkeypatch.setattr(rollout, name, recorded(name, getattr(rollout, name).from_pretrained))
+    bare = shutil.copytree(toy["text_model"], tmp_path / "text", ignore=shutil.ignore_patterns("generation_config*"))
+    for path, tokenizer, loads in (
+            (toy["vl_model"], toy["vl_model"], ["AutoConfig", "GenerationConfig", "AutoTokenizer",
+                                                "AutoModelForImageTextToText"]),
+            (str(bare), toy["text_model"], ["AutoConfig", "GenerationConfig", "GenerationConfig", "AutoTokenizer",
+                                            "AutoModelForCausalLM"])):
+        seen.clear()
+        rollout.make_rollout(config(trust_remote_code=True), path, max_prompt_length=32, max_response_length=4,
+                             device="cpu", tokenizer_path=tokenizer)
+        assert sorted(seen, key=str) == sorted(((name, True) for name in loads), key=str), (path, seen)
 
 
 def test_each_row_races_on_its_own_seeded_stream_in_batches_of_two(toy, world):
