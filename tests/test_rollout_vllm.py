@@ -78,22 +78,24 @@ def test_vllm_sleeps_whole_after_a_weight_sync_without_generation(toy, monkeypat
     assert calls["awake"] == set() and calls["resets"] == ["prefix", "encoder"] * 2
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_vllm_requests_carry_videos_and_limit_them_as_the_data_does(family, toy, tmp_path, monkeypatch):
     """No GPU needed: a stand-in vLLM records what the engine hands it. Videos go as multi_modal_data
     {"video": ...}; for Qwen3-VL each with its metadata and do_sample_frames False (frames are sampled
     already), as EasyR1 sends them; for Qwen2.5-VL the metadata goes as the processor's video_metadata (vLLM
     0.24 drops it from a (video, metadata) pair there, and the processor then takes 24 fps for the time
-    positions); limit_mm_per_prompt allows as many videos as the data has (0 without), and limit_images images
-    (0: none named, vLLM's default)."""
+    positions); for Qwen2-VL, whose temporal positions count frame pairs, not seconds, the frames alone;
+    limit_mm_per_prompt allows as many videos as the data has (0 without), and limit_images images (0: none named,
+    vLLM's default)."""
     import numpy
-    from transformers import AutoConfig, Qwen3VLConfig
+    from transformers import AutoConfig, Qwen2VLConfig, Qwen3VLConfig
 
     calls = fake_vllm(monkeypatch)
     path = toy["vl_model"]
-    if family == "qwen3_vl":
-        path = str(tmp_path / "qwen3")
-        Qwen3VLConfig(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD).save_pretrained(path)
+    if family != "qwen2_5_vl":
+        path = str(tmp_path / family)
+        family_config = Qwen3VLConfig if family == "qwen3_vl" else Qwen2VLConfig
+        family_config(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD).save_pretrained(path)
     assert AutoConfig.from_pretrained(path).model_type == family
     frames = numpy.zeros((4, 56, 56, 3), numpy.uint8)
     metadata = {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
