@@ -52,8 +52,15 @@ def model_weights(step_dir):
 
 @pytest.mark.slow
 def test_two_cpu_workers_run_grpo_steps_and_write_everything(tmp_path, toy):
+    """The warm-started model (it answers in the format, the colour at chance, so the rewards are not all 0): the
+    reward means are over 4 prompts x 4 responses, each accuracy 0 or 1, and overall = (accuracy + format) / 2
+    (configs/toy_reward.py's weights); validations at steps 0 and 2 each log the first val_generations_to_log = 2
+    rows of the test file, in file order (one batch, not shuffled, n = 1)."""
+    import pandas
+
     proc = run_trainer(toy_overrides(tmp_path, toy, "trainer.val_before_train=true", "trainer.val_freq=2",
-                                     "trainer.val_generations_to_log=2", workers=2))
+                                     "trainer.val_generations_to_log=2",
+                                     f"worker.actor.model.model_path={toy['vl_warm']}", workers=2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = read_log(tmp_path)
     steps = [r["step"] for r in rows]
@@ -64,15 +71,19 @@ def test_two_cpu_workers_run_grpo_steps_and_write_everything(tmp_path, toy):
                 "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old", "timing_s/update_actor",
                 "timing_s/step", "perf/throughput", "val/reward_score", "rollout/logp_diff_mean"):
         assert key in last, key
-    assert 0.0 <= last["reward/accuracy"] <= 1.0
+    for row in rows[1:]:  # each training step's
+        assert (16 * row["reward/accuracy"]).is_integer() and 0 <= row["reward/accuracy"] <= 1, row
+        assert row["reward/overall"] == pytest.approx((row["reward/accuracy"] + row["reward/format"]) / 2)
+        assert row["critic/score/mean"] == pytest.approx(row["reward/overall"])
     assert os.path.exists(tmp_path / "global_step_1" / "actor" / "model")
     assert os.path.exists(tmp_path / "global_step_2" / "actor" / "huggingface" / "config.json")
     tracker = json.load(open(tmp_path / "checkpoint_tracker.json"))
     assert tracker["last_global_step"] == 2
-    assert (tmp_path / "generations.log").read_text().count("ground_truth") >= 2
+    answers = pandas.read_parquet(os.path.join(toy["colors"], "test.parquet"))["answer"][:2].tolist()
+    logged = [json.loads(line) for line in open(tmp_path / "generations.log")]
+    assert [(g["step"], g["ground_truth"]) for g in logged] == [(step, a) for step in (0, 2) for a in answers]
     # The rollout engine received the actor's weights: sampled log-probs match the recomputation up to
-    # the placeholder ban (the engine renormalises without the 2 banned tokens: log(V / (V - 2)) ~ 0.005
-    # for a near-uniform random model). A stale or missing weight sync gives differences of order 1.
+    # the placeholder ban (the engine renormalises without the 2 banned tokens, which get ~no probability).
     assert last["rollout/logp_diff_max"] < 0.02
 
 
