@@ -498,3 +498,47 @@ def test_force_never_replaces_a_folder_holding_checkpoints(toy, tmp_path):
     assert sorted(os.listdir(other)) == ["huggingface", "model"]
     out = merge.merge_checkpoint(str(actor), output=str(tmp_path / "merged"))
     assert merge.merge_checkpoint(str(actor), output=out, force=True) == out  # an earlier output: replaced
+
+
+def test_a_config_naming_no_transformers_class_or_a_save_that_fuses_tensors_is_an_error(toy, tmp_path, monkeypatch):
+    """The model is built from config.json's architectures: a name transformers lacks, or none, is a MergeError
+    naming the file; a model whose save fuses several of its tensors into one (a conversion op that merge.py, writing
+    tensor by tensor, cannot apply; stand-in: each layer's q_proj and k_proj saved as one qk_proj) is refused too.
+    Nothing is written."""
+    text_checkpoint(toy, tmp_path / "actor")
+    config_path = tmp_path / "actor" / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    for architectures, said in ((["NoSuchModelForCausalLM"], "['NoSuchModelForCausalLM']"), (None, "None")):
+        config_path.write_text(json.dumps({**config, "architectures": architectures}))
+        with pytest.raises(merge.MergeError, match=re.escape(f"{config_path}: architectures={said} names no "
+                                                             "transformers class")):
+            merge.merge_checkpoint(str(tmp_path / "actor"))
+    config_path.write_text(json.dumps(config))
+    save = merge.revert_weight_conversion
+
+    def fusing(model, tensors):
+        out = dict(save(model, tensors))
+        for q in [name for name in out if ".q_proj." in name and name.replace(".q_proj.", ".k_proj.") in out]:
+            k = q.replace(".q_proj.", ".k_proj.")
+            out[q.replace(".q_proj.", ".qk_proj.")] = torch.cat([out.pop(q), out.pop(k)])
+        return out
+
+    monkeypatch.setattr(merge, "revert_weight_conversion", fusing)
+    with pytest.raises(merge.MergeError, match=r"^Qwen2ForCausalLM saves tensors fused from several of its own"):
+        merge.merge_checkpoint(str(tmp_path / "actor"))
+    assert sorted(os.listdir(tmp_path / "actor")) == ["huggingface", "model"]
+
+
+def test_an_output_of_exactly_two_shards_has_the_index_save_pretrained_writes(toy, tmp_path):
+    """The toy text model holds 382,720 bytes in fp32 (embedding and head 167 x 64 each, two layers of 148,480, the
+    final norm 256), so shards of at most 200 KB make two: the files and the index's weight map are save_pretrained's,
+    and the index's total size is that sum."""
+    model = text_checkpoint(toy, tmp_path / "actor")
+    out = merge.merge_checkpoint(str(tmp_path / "actor"), max_shard_size="200KB")
+    model.save_pretrained(tmp_path / "reference", max_shard_size="200KB")
+    files = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)] + ["model.safetensors.index.json"]
+    for folder in (out, tmp_path / "reference"):
+        assert sorted(f for f in os.listdir(folder) if f.startswith("model")) == files, folder
+    index, reference = (json.load(open(os.path.join(folder, files[2]))) for folder in (out, tmp_path / "reference"))
+    assert index["weight_map"] == reference["weight_map"] and index["metadata"]["total_size"] == 382_720
+    assert set(index["weight_map"].values()) == set(files[:2])
