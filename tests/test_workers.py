@@ -222,6 +222,31 @@ def test_a_phase_entered_twice_keeps_its_larger_peak(monkeypatch):
             pass
     assert memory == {"gen": 8.0}
 
+
+def test_an_update_reports_each_phases_peak_and_what_the_rollouts_sleep_freed(monkeypatch):
+    """A stand-in device of 100 GiB: the engine holds 30 GiB (the sync's and generation's peaks) until its sleep
+    leaves 6 GiB in use, 24 GiB freed; the update then peaks at 10 GiB. The actor's metrics come back with a
+    perf/peak_device_memory_gb/<phase> for each phase since the sync and perf/rollout_sleep_freed_gb 24. On a CPU
+    the sleep measures nothing, and no memory key is added."""
+    used = [30 * 2**30]
+    monkeypatch.setattr(workers.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(workers.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(workers.torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30 - used[0], 100 * 2**30))
+    worker = workers.Worker()
+    worker.memory, worker.freed = {"sync": 30.0, "gen": 30.0}, None
+    worker.rollout = types.SimpleNamespace(sleep=lambda: used.__setitem__(0, 6 * 2**30))
+    update = {"actor/pg_loss": 0.5}
+    worker.actor = types.SimpleNamespace(update=lambda samples: used.__setitem__(0, 10 * 2**30) or dict(update))
+    worker.sleep()
+    assert worker.update(["a sample"]) == {
+        "actor/pg_loss": 0.5, "perf/peak_device_memory_gb/sync": 30.0, "perf/peak_device_memory_gb/gen": 30.0,
+        "perf/peak_device_memory_gb/update": 10.0, "perf/rollout_sleep_freed_gb": 24.0}
+    monkeypatch.setattr(workers.torch.cuda, "is_available", lambda: False)
+    worker.memory, worker.freed = {}, None
+    worker.sleep()
+    assert worker.update(["a sample"]) == {"actor/pg_loss": 0.5}
+
+
 def test_a_failed_worker_call_is_one_error_whose_cause_is_the_workers_own_exception(monkeypatch):
     """Run._resume tells the actor's refusal of a checkpoint (a ValueError) from a crash by the cause."""
     group = workers.WorkerGroup.__new__(workers.WorkerGroup)
