@@ -164,12 +164,19 @@ def test_a_rollout_that_sampled_another_distribution_is_warned_of(capsys):
     assert "differ from the rollout engine's" not in capsys.readouterr().out
 
 
-def test_an_adaptive_kl_type_builds_the_adaptive_controller(tmp_path, fake_stages):
-    """Run.__init__ builds AdaptiveKLController(kl_coef 0.05, target 0.2, horizon 5000) for kl_type adaptive."""
-    run = make_run(tmp_path, "algorithm.kl_type=adaptive", "algorithm.use_kl_loss=false", "algorithm.kl_coef=0.05",
+@pytest.mark.parametrize("kl_type, beta_after", [("adaptive", 0.05 * (1 + 0.2 * 1000 / 5000)), ("fixed", 0.05)])
+def test_kl_type_picks_the_controller_run_builds(tmp_path, fake_stages, kl_type, beta_after):
+    """Run.__init__ builds the controller algorithm.kl_type names, from kl_coef 0.05 (target 0.2, horizon 5000). A step
+    of KL 1.0 over 1000 responses: the adaptive beta moves by the error 1.0 / 0.2 - 1 = 4, clipped to 0.2, times
+    1000 / 5000 (0.052); the fixed one stays at kl_coef."""
+    run = make_run(tmp_path, f"algorithm.kl_type={kl_type}", "algorithm.use_kl_loss=false", "algorithm.kl_coef=0.05",
                    "algorithm.kl_target=0.2", "algorithm.kl_horizon=5000")
-    assert isinstance(run.kl_ctrl, advantage.AdaptiveKLController)
-    assert (run.kl_ctrl.value, run.kl_ctrl.target, run.kl_ctrl.horizon) == (0.05, 0.2, 5000)
+    kind = {"adaptive": advantage.AdaptiveKLController, "fixed": advantage.FixedKLController}[kl_type]
+    assert type(run.kl_ctrl) is kind and run.kl_ctrl.value == 0.05
+    if kl_type == "adaptive":
+        assert (run.kl_ctrl.target, run.kl_ctrl.horizon) == (0.2, 5000)
+    run.kl_ctrl.update(1.0, n_steps=1000)
+    assert run.kl_ctrl.value == pytest.approx(beta_after)
     run.logger.close()
 
 
