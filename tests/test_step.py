@@ -13,7 +13,8 @@ import reward
 import rollout
 import trainer
 from config import ConfigError, load_config
-from test_loop import bare_run, fake_stages, make_run, scripted_fit, step_run, two_round_run  # noqa: F401 (fixture)
+from test_loop import (FakeLoader, bare_run, fake_stages, make_run, scripted_fit, step_run,  # noqa: F401 (fixture)
+                       two_round_run)
 
 
 def test_filtered_rounds_keep_distinct_uids_aligned_scores_and_new_seeds():
@@ -177,6 +178,22 @@ def test_kl_type_picks_the_controller_run_builds(tmp_path, fake_stages, kl_type,
         assert (run.kl_ctrl.target, run.kl_ctrl.horizon) == (0.2, 5000)
     run.kl_ctrl.update(1.0, n_steps=1000)
     assert run.kl_ctrl.value == pytest.approx(beta_after)
+    run.logger.close()
+
+
+@pytest.mark.parametrize("train, val", [(2, 3), (3, 2)])
+def test_vllms_video_limit_is_the_most_videos_in_a_row_of_either_loader(tmp_path, fake_stages, monkeypatch, train, val):
+    """worker.rollout.limit_videos, vLLM's limit_mm_per_prompt for videos, is the most videos in one row of the
+    train or the val data: 3 whichever holds it (0 reserves no room, and vLLM refuses every video prompt)."""
+    class VideoLoader(FakeLoader):
+        def __init__(self, files, *args, **kwargs):
+            super().__init__(files, *args, **kwargs)
+            self.videos_per_prompt = train if "train" in files else val
+
+    monkeypatch.setattr(trainer.data, "PromptLoader", VideoLoader)
+    run = make_run(tmp_path)
+    assert (run.train_loader.videos_per_prompt, run.val_loader.videos_per_prompt) == (train, val)
+    assert run.cfg.worker.rollout.limit_videos == 3
     run.logger.close()
 
 
