@@ -236,6 +236,20 @@ def test_a_resumes_first_validation_counts_toward_the_best_checkpoint(tmp_path):
         "last_global_step": 4, "best_global_step": 2, "best_val_reward_score": 0.9}
 
 
+def test_a_fresh_starts_validation_of_the_base_model_does_not_count_toward_the_best_checkpoint(tmp_path):
+    """A fresh start validates the base model (0.9), then steps 1 and 2 score 0.5 and 0.7: the best is step 2, a
+    saved checkpoint. Step 0 has no global_step_0 to keep or merge, so it cannot be the best."""
+    run = fake_run(tmp_path, make_cfg(val_before_train=True, val_freq=1), training_steps=2)
+    scores = iter([0.9, 0.5, 0.7])
+    run.validate = lambda: {"val/reward_score": next(scores)}
+    run.train_step = lambda: {"reward/overall": 0.0}
+    run.fit()
+    run.logger.close()
+    assert json.loads((tmp_path / run_folder.TRACKER).read_text()) == {
+        "last_global_step": 2, "best_global_step": 2, "best_val_reward_score": 0.7}
+    assert folders(tmp_path) == [1, 2]
+
+
 def test_a_tracker_without_folders_a_missing_shard_a_mis_named_path_and_save_limit_one(tmp_path):
     """A tracker without any global_step_N folder is an error (a fresh start would write over that run); val_only over
     an incomplete folder without a tracker moves nothing; a shard that is missing, not only cut short, makes the
