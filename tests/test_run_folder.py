@@ -87,12 +87,18 @@ def test_a_resume_that_validates_first_cuts_the_resumed_steps_generations(tmp_pa
     assert [json.loads(line)["step"] for line in open(tmp_path / "generations.log")] == [0, 1]
 
 
-@pytest.mark.parametrize("saved, resumed", [("fixed", "fixed"), ("fixed", "adaptive"), ("adaptive", "fixed")])
-def test_only_an_adaptive_controller_resumes_its_beta(tmp_path, saved, resumed):
+@pytest.mark.parametrize("saved, resumed, beta", [("fixed", "fixed", 0.1), ("fixed", "adaptive", 0.1),
+                                                  ("adaptive", "fixed", 0.1), ("adaptive", "adaptive", 0.02),
+                                                  (None, "adaptive", 0.02), (None, "fixed", 0.1)])
+def test_only_an_adaptive_controller_resumes_its_beta(tmp_path, saved, resumed, beta):
     """Saved at beta 0.02: a fixed beta is the config's (0.1 here: a changed kl_coef applies after a resume), and an
-    adaptive controller that follows a fixed one starts from its kl_coef, not the old fixed value."""
-    save_steps(tmp_path, [1, 2], kl_type=saved)
-    assert fake_run(tmp_path, make_cfg(kl_type=resumed)).kl_ctrl.value == 0.1
+    adaptive controller that follows a fixed one starts from its kl_coef, not the old fixed value. A checkpoint saved
+    before kl_type was stored (None) had its beta restored whatever the type: an adaptive run resumes it still."""
+    save_steps(tmp_path, [1, 2], kl_type=saved or "adaptive")
+    if saved is None:
+        path = tmp_path / "global_step_2" / "trainer_state.json"
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "kl_type"}))
+    assert fake_run(tmp_path, make_cfg(kl_type=resumed)).kl_ctrl.value == beta
 
 
 def test_validating_the_base_model_in_a_runs_folder_moves_nothing(tmp_path):
