@@ -470,18 +470,18 @@ def test_validating_the_base_model_in_a_run_folder_leaves_the_settings_that_trai
 def test_a_run_folder_that_cannot_be_written_is_a_one_line_config_error(tmp_path, monkeypatch, capsys, toy):
     """A read-only run folder (chattr +i end to end; chmod for a non-root user) ended the start with a PermissionError
     traceback from opening experiment_log.jsonl, a resume and trainer.val_only alike. Root ignores modes,
-    so the Logger's open is made to fail as it did."""
+    so the Logger's open is made to fail as it did. The file is named after the error; the run folder itself, which
+    the line names already, is not named twice."""
     import errno
 
     monkeypatch.setattr(trainer, "WorkerGroup", lambda *a: pytest.fail("Ray started before the mistake was found"))
-    log = str(tmp_path / "run" / "experiment_log.jsonl")
-    monkeypatch.setattr(trainer, "Logger", mock.Mock(side_effect=PermissionError(errno.EPERM, "Operation not "
-                                                                                 "permitted", log)))
-    for extra in ([], ["trainer.val_only=true"]):
-        assert trainer.main([f"trainer.save_checkpoint_path={tmp_path / 'run'}", *extra]) == 2
+    run, log = str(tmp_path / "run"), str(tmp_path / "run" / "experiment_log.jsonl")
+    for path, extra, named in ((log, [], f" ({log})"), (log, ["trainer.val_only=true"], f" ({log})"), (run, [], "")):
+        monkeypatch.setattr(trainer, "Logger", mock.Mock(side_effect=PermissionError(errno.EPERM, "Operation not "
+                                                                                     "permitted", path)))
+        assert trainer.main([f"trainer.save_checkpoint_path={run}", *extra]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Generating" not in line]
-        assert err == [f"config error: trainer.save_checkpoint_path={tmp_path / 'run'}: Operation not permitted "
-                       f"({log})"], err
+        assert err == [f"config error: trainer.save_checkpoint_path={run}: Operation not permitted{named}"], err
     # a tracker's network error (requests': an OSError without a file) is not the run folder's: it stays itself
     monkeypatch.setattr(trainer, "Logger", mock.Mock(side_effect=ConnectionError("Max retries exceeded")))
     with pytest.raises(ConnectionError, match="Max retries exceeded"):  # was 'save_checkpoint_path=...: None (None)'
