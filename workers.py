@@ -122,7 +122,8 @@ class WorkerGroup:
         gpu = 1 if self.device == "cuda" else 0
         if gpu and (have := ray.cluster_resources().get("GPU", 0)) < self.world:  # else a 600 s wait, then a timeout
             raise ConfigError(f"trainer.nnodes x trainer.n_gpus_per_node = {self.world} workers need a GPU each; Ray "
-                              f"sees {have:g} (CUDA_VISIBLE_DEVICES, or the GPUs of the nodes joined to its cluster)")
+                              f"sees {have:g} (CUDA_VISIBLE_DEVICES, or the GPUs of the nodes joined to its cluster; "
+                              "trainer.device=cpu, or auto, runs on the CPU without them)")
         self.pg = ray.util.placement_group([{"CPU": 1, "GPU": gpu}] * self.world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         remote, place = ray.remote(Worker), ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy

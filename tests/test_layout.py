@@ -76,7 +76,7 @@ def test_train_step_reads_as_the_loop_diagram():
 LOOP_MODULES = STAGES + PLUMBING + RUN_FOLDER + ["trainer", "workers"]
 
 
-LOOP_LIMIT = 5039  # the aim is 4,000; 4,223 when this test was written, every feature and docstring formula kept.
+LOOP_LIMIT = 5040  # the aim is 4,000; 4,223 when this test was written, every feature and docstring formula kept.
 # Each increase since is a fix or check that a review or a mutant asked for, its lines and reason in the message of the
 # commit that raised the limit: git log -G '^LOOP_LIMIT' --format=%s -- tests/test_layout.py
 

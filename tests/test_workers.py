@@ -98,7 +98,7 @@ def test_more_workers_than_gpus_is_a_config_error_not_a_wait(monkeypatch):
     cfg = load_config(None, ["trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
                              "worker.actor.global_batch_size=4", "data.rollout_batch_size=8", "worker.rollout.name=hf"])
     with pytest.raises(ConfigError, match=r"trainer.nnodes x trainer.n_gpus_per_node = 4 workers need a GPU each; "
-                                          r"Ray sees 3 "):
+                                          r"Ray sees 3 .*trainer.device=cpu, or auto, runs on the CPU"):
         workers.WorkerGroup(cfg, training_steps=1)
     # With the GPUs there, the group counts 4 workers and a mini-batch of global_batch_size 4 x n 5 = 20 responses.
     monkeypatch.setattr(workers.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 4.0})
